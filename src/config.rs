@@ -1,0 +1,491 @@
+//! Settings: compiled-in defaults < config file < `TABLEMAIL__SECTION__KEY` env.
+//!
+//! Every struct denies unknown fields, so a misspelt key is an error at start
+//! instead of a silently ignored setting. Secrets are `SecretString`s, which never
+//! print their value in `Debug` output or logs.
+
+use std::{fmt, path::Path, path::PathBuf, str::FromStr, time::Duration};
+
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Deserializer};
+
+/// Where the daemon looks for a config file when `--config` is not given.
+pub const SYSTEM_CONFIG_PATH: &str = "/etc/tablemail/tablemail.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Load(String),
+    #[error("configuration: {key}: {reason}")]
+    Invalid { key: &'static str, reason: String },
+}
+
+pub type Result<T, E = ConfigError> = std::result::Result<T, E>;
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct Settings {
+    pub database: DatabaseSettings,
+    pub transport: TransportSettings,
+    pub worker: WorkerSettings,
+    pub defaults: DefaultsSettings,
+    pub retention: RetentionSettings,
+    pub log: LogSettings,
+    pub metrics: MetricsSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseSettings {
+    /// `postgres://…`, `mysql://…` or `sqlite://…`; default `sqlite://tablemail.db`.
+    pub url: SecretString,
+    /// Pool size; default 8.
+    pub max_connections: u32,
+    /// Apply pending migrations when `run` starts; default true.
+    pub migrate: bool,
+}
+
+impl Default for DatabaseSettings {
+    fn default() -> Self {
+        Self {
+            url: SecretString::from("sqlite://tablemail.db"),
+            max_connections: 8,
+            migrate: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransportSettings {
+    /// `smtp://host:port`, `smtp://host:587?tls=required`, `smtps://host:465` or
+    /// `file://DIR`; default `file://./outbox`.
+    pub url: String,
+    pub username: Option<String>,
+    pub password: Option<SecretString>,
+    /// A file holding the password (systemd credentials, container secrets).
+    pub password_file: Option<PathBuf>,
+    /// Limit on every SMTP command; default 30s.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Limit on the reply to the final "." (RFC 5321 §4.5.3.2); default 10m.
+    #[serde(with = "humantime_serde")]
+    pub data_timeout: Duration,
+    /// Larger mails fail without an attempt; default 25MB.
+    pub max_message_size: ByteSize,
+    /// Idle SMTP connections kept open for reuse; default 16.
+    pub pool_size: usize,
+    /// Skip certificate verification (test relays only); default false.
+    pub accept_invalid_certs: bool,
+}
+
+impl Default for TransportSettings {
+    fn default() -> Self {
+        Self {
+            url: "file://./outbox".into(),
+            username: None,
+            password: None,
+            password_file: None,
+            timeout: Duration::from_secs(30),
+            data_timeout: Duration::from_secs(600),
+            max_message_size: ByteSize(25_000_000),
+            pool_size: 16,
+            accept_invalid_certs: false,
+        }
+    }
+}
+
+/// What to do with a mail whose reply was lost after the final ".".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ambiguous {
+    /// Queue it again with the same Message-ID (receivers can drop the duplicate).
+    Resend,
+    /// Park it as `unknown` for an operator.
+    Hold,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerSettings {
+    /// Mails in flight at once; default 16.
+    pub concurrency: usize,
+    /// Rows per claim, one GUID lock per batch; default 100.
+    pub batch_size: usize,
+    /// Fallback poll when no wake-up arrives; default 1s.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// A `sending` row older than this is released; default 5m.
+    #[serde(with = "humantime_serde")]
+    pub lock_timeout: Duration,
+    /// First backoff after a transient failure; default 1m.
+    #[serde(with = "humantime_serde")]
+    pub retry_base: Duration,
+    /// Backoff cap; default 1h.
+    #[serde(with = "humantime_serde")]
+    pub retry_max: Duration,
+    /// A mail not sent by then fails as `expired`; default 5d.
+    #[serde(with = "humantime_serde")]
+    pub max_age: Duration,
+    /// `resend` (default) or `hold`.
+    pub ambiguous: Ambiguous,
+    /// Mails per second for this daemon, 0 = unlimited (default).
+    pub rate_limit: u32,
+    /// Drain time on SIGTERM; default 30s.
+    #[serde(with = "humantime_serde")]
+    pub shutdown_timeout: Duration,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        Self {
+            concurrency: 16,
+            batch_size: 100,
+            poll_interval: Duration::from_secs(1),
+            lock_timeout: Duration::from_secs(300),
+            retry_base: Duration::from_secs(60),
+            retry_max: Duration::from_secs(3600),
+            max_age: Duration::from_secs(5 * 86400),
+            ambiguous: Ambiguous::Resend,
+            rate_limit: 0,
+            shutdown_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct DefaultsSettings {
+    /// Sender used when a row has no `from_address`.
+    pub from_address: Option<String>,
+    /// Display name used when a row has no `from_name`.
+    pub from_name: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetentionSettings {
+    /// Age after which `sent` rows are deleted; default 7d, `0s` at once.
+    #[serde(with = "humantime_serde")]
+    pub sent: Duration,
+    /// Age after which `failed` and `cancelled` rows are deleted; default 30d.
+    #[serde(with = "humantime_serde")]
+    pub failed: Duration,
+}
+
+impl Default for RetentionSettings {
+    fn default() -> Self {
+        Self {
+            sent: Duration::from_secs(7 * 86400),
+            failed: Duration::from_secs(30 * 86400),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// One flat JSON object per line (default).
+    Json,
+    /// Human-readable lines.
+    Pretty,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    /// Filter directive; `RUST_LOG` overrides. Default `info`.
+    pub level: String,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        Self {
+            format: LogFormat::Json,
+            level: "info".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSettings {
+    /// Address for `/metrics` and `/healthz`, e.g. `127.0.0.1:9898`; none by default.
+    pub listen: Option<String>,
+}
+
+/// A byte count written as `25MB`, `512KiB` or a bare number of bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl FromStr for ByteSize {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let split = s
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(s.len());
+        let (digits, unit) = s.split_at(split);
+        let n: u64 = digits
+            .parse()
+            .map_err(|_| format!("`{s}` is not a size such as 25MB"))?;
+        let factor: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "kb" | "k" => 1_000,
+            "mb" | "m" => 1_000_000,
+            "gb" | "g" => 1_000_000_000,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            other => return Err(format!("unknown size unit `{other}` in `{s}`")),
+        };
+        n.checked_mul(factor)
+            .map(ByteSize)
+            .ok_or_else(|| format!("`{s}` is too large"))
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} bytes", self.0)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(n) => Ok(ByteSize(n)),
+            Raw::Text(s) => s.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl Settings {
+    /// Loads defaults, then `file` (or [`SYSTEM_CONFIG_PATH`] when it exists),
+    /// then `TABLEMAIL__*` environment variables, and validates the result.
+    pub fn load(file: Option<&Path>) -> Result<Settings> {
+        let vars: Vec<(String, String)> = std::env::vars().collect();
+        Self::load_from(file, vars)
+    }
+
+    /// Like [`Settings::load`] with an explicit environment (for tests).
+    pub fn load_from(
+        file: Option<&Path>,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Settings> {
+        let mut builder = config::Config::builder();
+        let system = Path::new(SYSTEM_CONFIG_PATH);
+        match file {
+            Some(path) => {
+                if !path.exists() {
+                    return Err(ConfigError::Load(format!(
+                        "config file {} does not exist",
+                        path.display()
+                    )));
+                }
+                builder = builder.add_source(
+                    config::File::from(path).format(config::FileFormat::Toml),
+                );
+            }
+            None if system.exists() => {
+                builder = builder.add_source(
+                    config::File::from(system).format(config::FileFormat::Toml),
+                );
+            }
+            None => {}
+        }
+        let env: std::collections::HashMap<String, String> = env
+            .into_iter()
+            .filter(|(k, _)| k.starts_with("TABLEMAIL__"))
+            .collect();
+        builder = builder.add_source(
+            config::Environment::with_prefix("TABLEMAIL")
+                .prefix_separator("__")
+                .separator("__")
+                .try_parsing(true)
+                .source(Some(env)),
+        );
+        let settings: Settings = builder
+            .build()
+            .and_then(|c| c.try_deserialize())
+            .map_err(|e| ConfigError::Load(e.to_string()))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    fn validate(&self) -> Result<()> {
+        fn invalid(key: &'static str, reason: impl Into<String>) -> ConfigError {
+            ConfigError::Invalid {
+                key,
+                reason: reason.into(),
+            }
+        }
+        let url = self.database.url.expose_secret();
+        crate::store::Backend::from_url(url).map_err(|e| invalid("database.url", e))?;
+        if self.database.max_connections < 2 {
+            return Err(invalid("database.max_connections", "must be at least 2"));
+        }
+        crate::transport::TransportKind::parse(&self.transport.url)
+            .map_err(|e| invalid("transport.url", e.to_string()))?;
+        if self.transport.password.is_some() && self.transport.password_file.is_some() {
+            return Err(invalid(
+                "transport.password_file",
+                "set either transport.password or transport.password_file, not both",
+            ));
+        }
+        if self.transport.timeout.is_zero() {
+            return Err(invalid("transport.timeout", "must be above zero"));
+        }
+        if self.transport.data_timeout.is_zero() {
+            return Err(invalid("transport.data_timeout", "must be above zero"));
+        }
+        let w = &self.worker;
+        if w.concurrency == 0 {
+            return Err(invalid("worker.concurrency", "must be at least 1"));
+        }
+        if w.batch_size == 0 || w.batch_size > 10_000 {
+            return Err(invalid("worker.batch_size", "must be between 1 and 10000"));
+        }
+        if w.poll_interval.is_zero() {
+            return Err(invalid("worker.poll_interval", "must be above zero"));
+        }
+        if w.lock_timeout < Duration::from_secs(3) {
+            return Err(invalid("worker.lock_timeout", "must be at least 3s"));
+        }
+        if w.retry_base.is_zero() || w.retry_max < w.retry_base {
+            return Err(invalid(
+                "worker.retry_max",
+                "retry_base must be above zero and retry_max at least retry_base",
+            ));
+        }
+        if let Some(from) = &self.defaults.from_address {
+            crate::mail::parse_address(from)
+                .map_err(|e| invalid("defaults.from_address", e.to_string()))?;
+        }
+        if let Some(name) = &self.defaults.from_name {
+            if name.contains(['\r', '\n']) {
+                return Err(invalid("defaults.from_name", "contains CR or LF"));
+            }
+        }
+        if let Some(listen) = &self.metrics.listen {
+            listen
+                .parse::<std::net::SocketAddr>()
+                .map_err(|e| invalid("metrics.listen", format!("`{listen}`: {e}")))?;
+        }
+        tracing_subscriber::EnvFilter::try_new(&self.log.level)
+            .map_err(|e| invalid("log.level", e.to_string()))?;
+        Ok(())
+    }
+
+    /// The SMTP password from `transport.password` or `transport.password_file`.
+    /// A relative `password_file` is looked up in `$CREDENTIALS_DIRECTORY` first,
+    /// which is where systemd's `LoadCredential=` puts it.
+    pub fn smtp_password(&self) -> Result<Option<SecretString>> {
+        if let Some(p) = &self.transport.password {
+            return Ok(Some(p.clone()));
+        }
+        let Some(path) = &self.transport.password_file else {
+            return Ok(None);
+        };
+        let path = match std::env::var_os("CREDENTIALS_DIRECTORY") {
+            Some(dir) if path.is_relative() => Path::new(&dir).join(path),
+            _ => path.clone(),
+        };
+        let text = std::fs::read_to_string(&path).map_err(|e| ConfigError::Invalid {
+            key: "transport.password_file",
+            reason: format!("cannot read {}: {e}", path.display()),
+        })?;
+        let secret = text.trim_end_matches(['\r', '\n']).to_string();
+        Ok(Some(SecretString::from(secret)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let s = Settings::load_from(None, env(&[])).unwrap();
+        assert_eq!(s.database.url.expose_secret(), "sqlite://tablemail.db");
+        assert_eq!(s.transport.url, "file://./outbox");
+        assert_eq!(s.transport.max_message_size, ByteSize(25_000_000));
+        assert_eq!(s.worker.concurrency, 16);
+        assert_eq!(s.worker.batch_size, 100);
+        assert_eq!(s.worker.lock_timeout, Duration::from_secs(300));
+        assert_eq!(s.worker.ambiguous, Ambiguous::Resend);
+        assert_eq!(s.retention.failed, Duration::from_secs(30 * 86400));
+        assert_eq!(s.log.format, LogFormat::Json);
+    }
+
+    #[test]
+    fn env_overrides_and_parses_values() {
+        let s = Settings::load_from(
+            None,
+            env(&[
+                ("TABLEMAIL__WORKER__CONCURRENCY", "4"),
+                ("TABLEMAIL__WORKER__RETRY_BASE", "5s"),
+                ("TABLEMAIL__TRANSPORT__MAX_MESSAGE_SIZE", "1MiB"),
+                ("TABLEMAIL__DATABASE__URL", "postgres://u@h/db"),
+                ("OTHER__WORKER__CONCURRENCY", "9"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.worker.concurrency, 4);
+        assert_eq!(s.worker.retry_base, Duration::from_secs(5));
+        assert_eq!(s.transport.max_message_size, ByteSize(1 << 20));
+        assert_eq!(s.database.url.expose_secret(), "postgres://u@h/db");
+    }
+
+    #[test]
+    fn unknown_keys_are_errors_naming_the_key() {
+        let err = Settings::load_from(None, env(&[("TABLEMAIL__WORKER__CONCURENCY", "4")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("concurency"), "{err}");
+        let err = Settings::load_from(None, env(&[("TABLEMAIL__NOPE__X", "4")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("nope"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_are_errors_naming_the_key() {
+        let err = Settings::load_from(None, env(&[("TABLEMAIL__WORKER__CONCURRENCY", "0")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("worker.concurrency"), "{err}");
+        let err = Settings::load_from(None, env(&[("TABLEMAIL__DATABASE__URL", "redis://x")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("database.url"), "{err}");
+        let err = Settings::load_from(None, env(&[("TABLEMAIL__WORKER__POLL_INTERVAL", "soon")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("poll_interval"), "{err}");
+    }
+
+    #[test]
+    fn byte_sizes_parse() {
+        assert_eq!("25MB".parse::<ByteSize>().unwrap(), ByteSize(25_000_000));
+        assert_eq!("512 KiB".parse::<ByteSize>().unwrap(), ByteSize(512 * 1024));
+        assert_eq!("100".parse::<ByteSize>().unwrap(), ByteSize(100));
+        assert!("12 parsecs".parse::<ByteSize>().is_err());
+        assert!("MB".parse::<ByteSize>().is_err());
+    }
+}

@@ -1,0 +1,429 @@
+//! A claimed row -> a lettre `Message`: address parsing, header validation and
+//! the size limit. Everything rejected here is a permanent failure that never
+//! opens an SMTP session.
+
+use std::collections::BTreeSet;
+
+use lettre::{
+    message::{
+        header::{HeaderName, HeaderValue},
+        Mailbox, Mailboxes, MultiPart, SinglePart,
+    },
+    Address, Message,
+};
+
+use crate::store::{BatchLock, NewMail, QueuedMail};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MailError {
+    #[error("invalid address in {field}: {reason}")]
+    InvalidAddress { field: &'static str, reason: String },
+    #[error("CR or LF in {field}")]
+    LineBreak { field: String },
+    #[error("invalid header {name:?}: {reason}")]
+    InvalidHeader { name: String, reason: String },
+    #[error("no recipient")]
+    NoRecipient,
+    #[error("no sender: the row has no from_address and defaults.from_address is not set")]
+    NoSender,
+    #[error("message of {size} bytes is over transport.max_message_size ({max} bytes)")]
+    TooLarge { size: usize, max: u64 },
+    #[error("cannot build the message: {0}")]
+    Build(String),
+    #[error("{0}")]
+    Field(String),
+}
+
+/// Headers that come from the row's columns; `headers` may not set them.
+const RESERVED_HEADERS: &[&str] = &[
+    "from",
+    "to",
+    "cc",
+    "bcc",
+    "reply-to",
+    "subject",
+    "message-id",
+    "date",
+    "mime-version",
+    "content-type",
+    "content-transfer-encoding",
+];
+
+/// What every message takes from the configuration.
+#[derive(Debug, Clone)]
+pub struct MessageDefaults {
+    pub from_address: Option<Address>,
+    pub from_name: Option<String>,
+    pub max_message_size: u64,
+}
+
+/// A message ready for the wire.
+#[derive(Debug, Clone)]
+pub struct PreparedMail {
+    pub envelope: lettre::address::Envelope,
+    pub bytes: Vec<u8>,
+    /// Recipient domains, comma separated, for the logs (never the full address).
+    pub recipient_domains: String,
+}
+
+/// Parses one bare address such as `a@example.com`.
+pub fn parse_address(s: &str) -> Result<Address, MailError> {
+    reject_line_breaks("address", s)?;
+    s.trim()
+        .parse::<Address>()
+        .map_err(|e| MailError::InvalidAddress {
+            field: "address",
+            reason: format!("{e}"),
+        })
+}
+
+fn reject_line_breaks(field: &str, value: &str) -> Result<(), MailError> {
+    if value.contains(['\r', '\n', '\0']) {
+        return Err(MailError::LineBreak {
+            field: field.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Parses a comma-separated address list; an empty list is `Ok(vec![])`.
+fn parse_list(field: &'static str, value: Option<&str>) -> Result<Vec<Mailbox>, MailError> {
+    let Some(value) = value else {
+        return Ok(Vec::new());
+    };
+    reject_line_breaks(field, value)?;
+    if value.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    let invalid = |reason: &str| MailError::InvalidAddress {
+        field,
+        reason: reason.to_string(),
+    };
+    let list: Mailboxes = value
+        .parse()
+        .map_err(|_| invalid("not a comma-separated list of addresses"))?;
+    let list: Vec<Mailbox> = list.into_iter().collect();
+    // lettre's list parser stops quietly at the first thing it cannot read;
+    // make sure it read every entry.
+    let entries = split_list(value);
+    if entries.len() != list.len() {
+        return Err(invalid("not a comma-separated list of addresses"));
+    }
+    Ok(list)
+}
+
+/// Splits on commas outside quotes and angle brackets, skipping empty entries.
+fn split_list(value: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut quoted, mut angle, mut escaped, mut start) = (false, false, false, 0);
+    for (i, c) in value.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            '<' if !quoted => angle = true,
+            '>' if !quoted => angle = false,
+            ',' if !quoted && !angle => {
+                out.push(&value[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&value[start..]);
+    out.retain(|s| !s.trim().is_empty());
+    out
+}
+
+/// Validates a header name per RFC 5322 §2.2 and refuses the reserved ones.
+fn header_name(name: &str) -> Result<HeaderName, MailError> {
+    let invalid = |reason: &str| MailError::InvalidHeader {
+        name: name.to_string(),
+        reason: reason.to_string(),
+    };
+    if name.is_empty() || name.len() > 76 {
+        return Err(invalid("a name is 1 to 76 characters"));
+    }
+    if !name.bytes().all(|b| (33..=126).contains(&b) && b != b':') {
+        return Err(invalid("a name is printable ASCII without ':' or spaces"));
+    }
+    if RESERVED_HEADERS.contains(&name.to_ascii_lowercase().as_str()) {
+        return Err(invalid("set by tablemail from its own column"));
+    }
+    HeaderName::new_from_ascii(name.to_string()).map_err(|e| invalid(&e.to_string()))
+}
+
+/// Parses the `headers` column: a JSON object of string values.
+fn extra_headers(json: Option<&str>) -> Result<Vec<HeaderValue>, MailError> {
+    let Some(json) = json else {
+        return Ok(Vec::new());
+    };
+    let invalid = |reason: String| MailError::InvalidHeader {
+        name: "headers".into(),
+        reason,
+    };
+    let value: serde_json::Value =
+        serde_json::from_str(json).map_err(|e| invalid(format!("not JSON: {e}")))?;
+    let serde_json::Value::Object(map) = value else {
+        return Err(invalid("not a JSON object".into()));
+    };
+    map.into_iter()
+        .map(|(name, value)| {
+            let header = header_name(&name)?;
+            let serde_json::Value::String(value) = value else {
+                return Err(MailError::InvalidHeader {
+                    name,
+                    reason: "the value is not a string".into(),
+                });
+            };
+            reject_line_breaks(&format!("header {name}"), &value)?;
+            Ok(HeaderValue::new(header, value))
+        })
+        .collect()
+}
+
+/// Builds the message of a claimed row.
+pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<PreparedMail, MailError> {
+    let from_address = match mail.from_address.as_deref() {
+        Some(a) if !a.trim().is_empty() => {
+            reject_line_breaks("from_address", a)?;
+            a.trim()
+                .parse::<Address>()
+                .map_err(|e| MailError::InvalidAddress {
+                    field: "from_address",
+                    reason: e.to_string(),
+                })?
+        }
+        _ => defaults.from_address.clone().ok_or(MailError::NoSender)?,
+    };
+    let from_name = mail.from_name.as_deref().or(defaults.from_name.as_deref());
+    if let Some(name) = from_name {
+        reject_line_breaks("from_name", name)?;
+    }
+    let from = Mailbox::new(from_name.map(str::to_string), from_address);
+
+    let to = parse_list("to_address", Some(&mail.to_address))?;
+    let cc = parse_list("cc", mail.cc.as_deref())?;
+    let bcc = parse_list("bcc", mail.bcc.as_deref())?;
+    let reply_to = parse_list("reply_to", mail.reply_to.as_deref())?;
+    if to.is_empty() && cc.is_empty() && bcc.is_empty() {
+        return Err(MailError::NoRecipient);
+    }
+    reject_line_breaks("subject", &mail.subject)?;
+    reject_line_breaks("message_id", &mail.message_id)?;
+    let headers = extra_headers(mail.headers.as_deref())?;
+
+    let domains: BTreeSet<&str> = to
+        .iter()
+        .chain(&cc)
+        .chain(&bcc)
+        .map(|m| m.email.domain())
+        .collect();
+    let recipient_domains = domains.into_iter().collect::<Vec<_>>().join(",");
+
+    let mut builder = Message::builder()
+        .from(from)
+        .subject(mail.subject.as_str())
+        .message_id(Some(mail.message_id.clone()));
+    for m in to {
+        builder = builder.to(m);
+    }
+    for m in cc {
+        builder = builder.cc(m);
+    }
+    // Bcc goes into the envelope only; lettre drops the header when it builds.
+    for m in bcc {
+        builder = builder.bcc(m);
+    }
+    for m in reply_to {
+        builder = builder.reply_to(m);
+    }
+    for h in headers {
+        builder = builder.raw_header(h);
+    }
+    // lettre turns every line ending of a body into CRLF, so a bare LF cannot
+    // smuggle an end-of-data sequence past the relay.
+    let built = match (mail.body.as_deref(), mail.body_html.as_deref()) {
+        (Some(text), Some(html)) => builder.multipart(MultiPart::alternative_plain_html(
+            text.to_string(),
+            html.to_string(),
+        )),
+        (None, Some(html)) => builder.singlepart(SinglePart::html(html.to_string())),
+        (text, None) => builder.singlepart(SinglePart::plain(text.unwrap_or("").to_string())),
+    };
+    let message = built.map_err(|e| MailError::Build(e.to_string()))?;
+    let bytes = message.formatted();
+    if bytes.len() as u64 > defaults.max_message_size {
+        return Err(MailError::TooLarge {
+            size: bytes.len(),
+            max: defaults.max_message_size,
+        });
+    }
+    Ok(PreparedMail {
+        envelope: message.envelope().clone(),
+        bytes,
+        recipient_domains,
+    })
+}
+
+/// Validates a mail before it is inserted, exactly as the worker will when it
+/// sends it, so `tablemail enqueue` refuses what could never go out.
+pub fn check_new(new: &NewMail, defaults: &MessageDefaults) -> Result<(), MailError> {
+    if new.attempts_remaining.is_some_and(|a| a < 1) {
+        return Err(MailError::Field("attempts_remaining must be at least 1".into()));
+    }
+    if let Some(id) = &new.message_id {
+        if !(id.starts_with('<') && id.ends_with('>') && id.contains('@')) {
+            return Err(MailError::Field("message_id must look like <id@domain>".into()));
+        }
+    }
+    let preview = QueuedMail {
+        id: 0,
+        lock: BatchLock(uuid::Uuid::nil()),
+        priority: new.priority.unwrap_or(0),
+        attempts: 0,
+        attempts_remaining: 0,
+        from_name: new.from_name.clone(),
+        from_address: new.from_address.clone(),
+        to_address: new.to_address.clone(),
+        cc: new.cc.clone(),
+        bcc: new.bcc.clone(),
+        reply_to: new.reply_to.clone(),
+        subject: new.subject.clone().unwrap_or_default(),
+        body: new.body.clone(),
+        body_html: new.body_html.clone(),
+        headers: new
+            .headers
+            .as_ref()
+            .map(|h| serde_json::Value::Object(h.clone()).to_string()),
+        message_id: new
+            .message_id
+            .clone()
+            .unwrap_or_else(|| "<check@localhost>".into()),
+        expired: false,
+    };
+    prepare(&preview, defaults).map(|_| ())
+}
+
+/// This host's name, for EHLO and the right-hand side of Message-IDs.
+pub fn local_hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'))
+        .unwrap_or_else(|| "localhost".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::BatchLock;
+
+    fn row() -> QueuedMail {
+        QueuedMail {
+            id: 7,
+            lock: BatchLock::new(),
+            priority: 0,
+            attempts: 1,
+            attempts_remaining: 4,
+            from_name: Some("Shop".into()),
+            from_address: Some("shop@example.com".into()),
+            to_address: "Ann <ann@example.org>, bob@example.net".into(),
+            cc: Some("carl@example.com".into()),
+            bcc: Some("hidden@example.com".into()),
+            reply_to: None,
+            subject: "Your order".into(),
+            body: Some("Hello\nworld".into()),
+            body_html: None,
+            headers: Some(r#"{"X-Campaign":"spring"}"#.into()),
+            message_id: "<abc.7@host.example>".into(),
+            expired: false,
+        }
+    }
+
+    fn defaults() -> MessageDefaults {
+        MessageDefaults {
+            from_address: None,
+            from_name: None,
+            max_message_size: 1_000_000,
+        }
+    }
+
+    fn text(p: &PreparedMail) -> String {
+        String::from_utf8(p.bytes.clone()).unwrap()
+    }
+
+    #[test]
+    fn builds_headers_envelope_and_crlf_body() {
+        let p = prepare(&row(), &defaults()).unwrap();
+        let t = text(&p);
+        assert!(t.contains("From: Shop <shop@example.com>\r\n"), "{t}");
+        assert!(t.contains("Message-ID: <abc.7@host.example>\r\n"), "{t}");
+        assert!(t.contains("X-Campaign: spring\r\n"), "{t}");
+        assert!(t.contains("Hello\r\nworld"), "{t}");
+        assert!(!t.to_lowercase().contains("hidden@"), "bcc leaked: {t}");
+        let rcpts: Vec<String> = p.envelope.to().iter().map(|a| a.to_string()).collect();
+        assert_eq!(rcpts.len(), 4);
+        assert!(rcpts.contains(&"hidden@example.com".to_string()));
+        assert_eq!(p.recipient_domains, "example.com,example.net,example.org");
+    }
+
+    #[test]
+    fn refuses_bad_input_without_sending() {
+        let mut r = row();
+        r.subject = "Hi\r\nBcc: victim@example.com".into();
+        assert!(matches!(prepare(&r, &defaults()), Err(MailError::LineBreak { .. })));
+
+        let mut r = row();
+        r.to_address = "not an address".into();
+        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidAddress { .. })));
+
+        let mut r = row();
+        r.to_address = "a@example.com, ???".into();
+        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidAddress { .. })));
+
+        let mut r = row();
+        r.to_address = " ".into();
+        r.cc = None;
+        r.bcc = None;
+        assert_eq!(prepare(&r, &defaults()).unwrap_err(), MailError::NoRecipient);
+
+        let mut r = row();
+        r.headers = Some(r#"{"Bad Name":"x"}"#.into());
+        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidHeader { .. })));
+
+        let mut r = row();
+        r.headers = Some(r#"{"X-Ok":"a\r\nBcc: b@example.com"}"#.into());
+        assert!(matches!(prepare(&r, &defaults()), Err(MailError::LineBreak { .. })));
+
+        let mut r = row();
+        r.headers = Some(r#"{"Subject":"other"}"#.into());
+        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidHeader { .. })));
+
+        let mut r = row();
+        r.body = Some("x".repeat(2_000_000));
+        assert!(matches!(prepare(&r, &defaults()), Err(MailError::TooLarge { .. })));
+
+        let mut r = row();
+        r.from_address = None;
+        assert_eq!(prepare(&r, &defaults()).unwrap_err(), MailError::NoSender);
+    }
+
+    #[test]
+    fn quoted_display_names_may_hold_commas() {
+        let mut r = row();
+        r.to_address = r#""Doe, Jane" <jane@example.com>, x@example.com"#.into();
+        let p = prepare(&r, &defaults()).unwrap();
+        assert_eq!(p.envelope.to().len(), 4);
+    }
+
+    #[test]
+    fn html_and_text_make_alternative() {
+        let mut r = row();
+        r.body_html = Some("<p>Hello</p>".into());
+        let t = text(&prepare(&r, &defaults()).unwrap());
+        assert!(t.contains("multipart/alternative"), "{t}");
+        assert!(t.contains("text/html"), "{t}");
+    }
+}

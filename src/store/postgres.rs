@@ -1,0 +1,410 @@
+//! PostgreSQL, the reference backend: claims with `FOR UPDATE SKIP LOCKED` in one
+//! statement, finalizes many rows in one fenced statement, and wakes idle
+//! daemons with LISTEN/NOTIFY.
+
+use std::{borrow::Cow, str::FromStr, sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use sqlx::{
+    migrate::{Migration, MigrationType, Migrator},
+    postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions},
+    AssertSqlSafe, ConnectOptions, Row, SqlStr,
+};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use super::{
+    millis, queued_mail_from_row, Backend, BatchLock, Claim, Enqueued, Finalize, NewMail, Param,
+    QueueStats, QueuedMail, RecentFailure, Result, RetrySelection, StaleRow, StatusCount, Store,
+};
+
+/// The NOTIFY channel the insert trigger of the migration signals.
+const CHANNEL: &str = "tablemail";
+
+pub struct PgStore {
+    pool: PgPool,
+}
+
+impl PgStore {
+    /// Builds the pool without connecting; the first query connects.
+    pub async fn connect(url: &str, max_connections: u32) -> Result<Self> {
+        let options = PgConnectOptions::from_str(url)?
+            .application_name("tablemail")
+            .log_statements(tracing::log::LevelFilter::Trace)
+            .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_lazy_with(options);
+        Ok(PgStore { pool })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    fn migrator() -> Migrator {
+        let migrations = vec![Migration::new(
+            1,
+            Cow::Borrowed("mail_queue"),
+            MigrationType::Simple,
+            SqlStr::from_static(include_str!("../../migrations/postgres/0001_mail_queue.sql")),
+            false,
+        )];
+        let mut migrator = Migrator::with_migrations(migrations);
+        // Our own bookkeeping table, so an application's sqlx migrations in the
+        // same schema never collide with ours.
+        migrator.dangerous_set_table_name("tablemail_migrations");
+        migrator
+    }
+}
+
+const CLAIM: &str = r#"
+WITH picked AS MATERIALIZED (
+    SELECT id FROM mail_queue
+    WHERE status = 'queued' AND send_at <= now()
+    ORDER BY priority DESC, send_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE mail_queue AS m
+SET status = 'sending',
+    thread_lock = $2,
+    locked_at = now(),
+    attempts = m.attempts + 1,
+    attempts_remaining = m.attempts_remaining - 1,
+    message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
+FROM picked
+WHERE m.id = picked.id
+RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.from_name, m.from_address,
+          m.to_address, m.cc, m.bcc, m.reply_to, m.subject, m.body, m.body_html,
+          m.headers::text AS headers, m.message_id,
+          m.created_at < now() - $5 * interval '1 millisecond' AS expired
+"#;
+
+const FINALIZE: &str = r#"
+UPDATE mail_queue AS m
+SET status = f.status,
+    send_at = CASE WHEN f.status = 'queued' AND NOT f.refund
+                   THEN now() + f.delay_ms * interval '1 millisecond'
+                   ELSE m.send_at END,
+    attempts = m.attempts - f.refund::int,
+    attempts_remaining = m.attempts_remaining + f.refund::int,
+    processed_at = CASE WHEN f.refund THEN m.processed_at ELSE now() END,
+    thread_lock = NULL,
+    locked_at = NULL,
+    last_error = COALESCE(f.last_error, m.last_error)
+FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::bool[])
+     AS f(id, lock, status, delay_ms, last_error, refund)
+WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
+RETURNING m.id
+"#;
+
+const RENEW: &str = r#"
+UPDATE mail_queue SET locked_at = now()
+WHERE status = 'sending' AND thread_lock = ANY($1)
+"#;
+
+const RELEASE_STALE: &str = r#"
+UPDATE mail_queue
+SET status = CASE WHEN attempts_remaining > 0 THEN 'queued' ELSE 'failed' END,
+    processed_at = CASE WHEN attempts_remaining > 0 THEN processed_at ELSE now() END,
+    last_error = CASE WHEN attempts_remaining > 0 THEN last_error
+                      ELSE 'lock expired: the worker stopped during the last attempt' END,
+    thread_lock = NULL,
+    locked_at = NULL
+WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond'
+RETURNING id, status = 'queued' AS requeued
+"#;
+
+const STATUS_COUNTS: &str = r#"
+SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status
+"#;
+
+const STATUS_AGES: &str = r#"
+SELECT
+    (SELECT EXTRACT(EPOCH FROM now() - min(send_at))::float8 FROM mail_queue
+      WHERE status = 'queued' AND send_at <= now()) AS oldest_due,
+    (SELECT count(*) FROM mail_queue
+      WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond') AS stale,
+    (SELECT count(*) FROM mail_queue
+      WHERE status = 'sent' AND processed_at > now() - interval '5 minutes') AS sent_5m
+"#;
+
+const RECENT_FAILURES: &str = r#"
+SELECT id, status, processed_at, last_error FROM mail_queue
+WHERE status IN ('failed', 'unknown')
+ORDER BY processed_at DESC NULLS LAST, id DESC
+LIMIT 10
+"#;
+
+const RETRY: &str = r#"
+UPDATE mail_queue
+SET status = 'queued', attempts_remaining = $2, send_at = now(), created_at = now(),
+    thread_lock = NULL, locked_at = NULL
+WHERE status IN ('failed', 'unknown') AND ($1::bigint IS NULL OR id = $1)
+"#;
+
+const CANCEL: &str = r#"
+UPDATE mail_queue SET status = 'cancelled', processed_at = now()
+WHERE id = $1 AND status = 'queued'
+"#;
+
+const PURGE: &str = r#"
+DELETE FROM mail_queue WHERE id IN (
+    SELECT id FROM mail_queue
+    WHERE (status = 'sent' AND processed_at < now() - $1 * interval '1 millisecond')
+       OR (status IN ('failed', 'cancelled') AND processed_at < now() - $2 * interval '1 millisecond')
+    LIMIT $3
+)
+"#;
+
+const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = $1";
+
+const NOTIFY: &str = "SELECT pg_notify('tablemail', '')";
+
+#[async_trait]
+impl Store for PgStore {
+    fn backend(&self) -> Backend {
+        Backend::Postgres
+    }
+
+    async fn migrate(&self) -> Result<()> {
+        Self::migrator().run(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+
+    async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
+        let nonce = Uuid::new_v4().simple().to_string();
+        let rows = sqlx::query(CLAIM)
+            .bind(claim.limit as i64)
+            .bind(claim.lock.0)
+            .bind(nonce)
+            .bind(claim.message_id_domain)
+            .bind(millis(claim.max_age))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|row| queued_mail_from_row(row, claim.lock))
+            .collect()
+    }
+
+    async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
+        if writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = writes.len();
+        let (mut ids, mut locks, mut statuses) =
+            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut delays, mut errors, mut refunds) =
+            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for w in writes {
+            let (status, delay_ms, error, refund) = w.action.columns();
+            ids.push(w.id);
+            locks.push(w.lock.0);
+            statuses.push(status);
+            delays.push(delay_ms);
+            errors.push(error);
+            refunds.push(refund);
+        }
+        let rows = sqlx::query(FINALIZE)
+            .bind(ids)
+            .bind(locks)
+            .bind(statuses)
+            .bind(delays)
+            .bind(errors)
+            .bind(refunds)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| r.try_get::<i64, _>(0).map_err(Into::into))
+            .collect()
+    }
+
+    async fn renew_locks(&self, locks: &[BatchLock]) -> Result<u64> {
+        if locks.is_empty() {
+            return Ok(0);
+        }
+        let locks: Vec<Uuid> = locks.iter().map(|l| l.0).collect();
+        let done = sqlx::query(RENEW).bind(locks).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn release_stale_locks(&self, older_than: Duration) -> Result<Vec<StaleRow>> {
+        let rows = sqlx::query(RELEASE_STALE)
+            .bind(millis(older_than))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(StaleRow {
+                    id: r.try_get("id")?,
+                    requeued: r.try_get("requeued")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
+        let mut tx = self.pool.begin().await?;
+        let mut out = Vec::with_capacity(mails.len());
+        for mail in mails {
+            let cols = mail.columns();
+            let names: Vec<&str> = cols.iter().map(|(name, _)| *name).collect();
+            let placeholders: Vec<String> = cols
+                .iter()
+                .enumerate()
+                .map(|(i, (_, p))| match p {
+                    Param::Json(_) => format!("${}::jsonb", i + 1),
+                    _ => format!("${}", i + 1),
+                })
+                .collect();
+            let sql = format!(
+                "INSERT INTO mail_queue ({}) VALUES ({}) \
+                 ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
+                names.join(", "),
+                placeholders.join(", ")
+            );
+            let mut query = sqlx::query(AssertSqlSafe(sql));
+            for (_, param) in cols {
+                query = match param {
+                    Param::Text(t) => query.bind(t.to_string()),
+                    Param::Int(i) => query.bind(i),
+                    Param::Time(t) => query.bind(t),
+                    Param::Json(j) => query.bind(j),
+                };
+            }
+            let inserted = query.fetch_optional(&mut *tx).await?;
+            let enqueued = match inserted {
+                Some(row) => Enqueued {
+                    id: row.try_get(0)?,
+                    duplicate: false,
+                },
+                None => {
+                    let id: i64 = sqlx::query_scalar(EXISTING_DEDUPE)
+                        .bind(mail.dedupe_key.as_deref())
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    Enqueued {
+                        id,
+                        duplicate: true,
+                    }
+                }
+            };
+            out.push(enqueued);
+        }
+        tx.commit().await?;
+        Ok(out)
+    }
+
+    async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
+        let counts = sqlx::query(STATUS_COUNTS)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(StatusCount {
+                    status: r.try_get("status")?,
+                    count: r.try_get("count")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ages = sqlx::query(STATUS_AGES)
+            .bind(millis(lock_timeout))
+            .fetch_one(&self.pool)
+            .await?;
+        let recent_failures = sqlx::query(RECENT_FAILURES)
+            .fetch_all(&self.pool)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(RecentFailure {
+                    id: r.try_get("id")?,
+                    status: r.try_get("status")?,
+                    processed_at: r.try_get("processed_at")?,
+                    last_error: r.try_get("last_error")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(QueueStats {
+            counts,
+            oldest_due_age_seconds: ages.try_get("oldest_due")?,
+            stale_locks: ages.try_get("stale")?,
+            sent_last_5m: ages.try_get("sent_5m")?,
+            recent_failures,
+        })
+    }
+
+    async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
+        let id = match which {
+            RetrySelection::Id(id) => Some(id),
+            RetrySelection::AllFailed => None,
+        };
+        let done = sqlx::query(RETRY)
+            .bind(id)
+            .bind(attempts)
+            .execute(&self.pool)
+            .await?;
+        if done.rows_affected() > 0 {
+            sqlx::query(NOTIFY).execute(&self.pool).await?;
+        }
+        Ok(done.rows_affected())
+    }
+
+    async fn cancel(&self, id: i64) -> Result<u64> {
+        let done = sqlx::query(CANCEL).bind(id).execute(&self.pool).await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
+        let done = sqlx::query(PURGE)
+            .bind(millis(sent))
+            .bind(millis(failed))
+            .bind(limit as i64)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    fn spawn_wakeup_listener(&self, wake: Arc<Notify>, cancel: CancellationToken) -> bool {
+        let pool = self.pool.clone();
+        tokio::spawn(async move {
+            loop {
+                if let Err(e) = listen(&pool, &wake, &cancel).await {
+                    tracing::warn!(error = %e, "wake-up listener lost, polling until it is back");
+                }
+                // Anything may have been inserted while we were not listening.
+                wake.notify_one();
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        });
+        true
+    }
+}
+
+/// Listens until cancelled (Ok) or the listener fails (Err).
+async fn listen(pool: &PgPool, wake: &Notify, cancel: &CancellationToken) -> Result<()> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.listen(CHANNEL).await?;
+    wake.notify_one();
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            received = listener.try_recv() => match received? {
+                Some(_) => wake.notify_one(),
+                // The connection dropped and was re-established: a
+                // notification may have been missed.
+                None => wake.notify_one(),
+            },
+        }
+    }
+}

@@ -1,0 +1,835 @@
+//! Delivery: an SMTP client that knows the stage every failure happened at, and
+//! a file transport for development.
+//!
+//! lettre's pooled `AsyncSmtpTransport::send()` cannot tell a refused connection
+//! from a reply lost after ".", only bounds the TCP connect with its timeout,
+//! sends a NOOP before every mail, and leaves Nagle's algorithm on (lettre writes
+//! the body and the final "." separately, which costs ~40 ms per mail). So this
+//! module opens the TCP stream itself with `TCP_NODELAY`, hands it to lettre's
+//! connection-level API, drives MAIL/RCPT/DATA one command at a time under a
+//! timeout each, and keeps its own pool of idle connections.
+
+use std::{
+    fmt, io,
+    net::SocketAddr,
+    path::PathBuf,
+    pin::Pin,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc, Mutex,
+    },
+    task::{Context, Poll},
+    time::{Duration, Instant},
+};
+
+use lettre::transport::smtp::{
+    authentication::{Credentials, Mechanism},
+    client::{AsyncSmtpConnection, AsyncTokioStream, TlsParameters},
+    commands::{Data, Mail, Noop, Rcpt, Rset},
+    extension::{ClientId, Extension, MailBodyParameter, MailParameter},
+    Error as SmtpError,
+};
+use secrecy::{ExposeSecret, SecretString};
+use tokio::{
+    io::{AsyncRead, AsyncWrite, ReadBuf},
+    net::TcpStream,
+};
+
+use crate::{config::TransportSettings, mail::PreparedMail};
+
+/// How a failed delivery is handled (DESIGN §2).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SendError {
+    /// The relay cannot take mail now: the batch goes back untouched.
+    #[error("{reason}")]
+    RelayDown {
+        reason: String,
+        code: Option<u16>,
+        /// TLS or AUTH trouble that an operator must fix.
+        needs_operator: bool,
+    },
+    /// 4xx to MAIL/RCPT/DATA, or the connection dropped before ".": try later.
+    #[error("{reason}")]
+    Transient { reason: String, code: Option<u16> },
+    /// 5xx, or a mail the relay will never take: fail it now.
+    #[error("{reason}")]
+    Permanent { reason: String, code: Option<u16> },
+    /// Lost after "." was sent: the relay may have the mail.
+    #[error("{reason}")]
+    Ambiguous { reason: String },
+}
+
+impl SendError {
+    pub fn code(&self) -> Option<u16> {
+        match self {
+            SendError::RelayDown { code, .. }
+            | SendError::Transient { code, .. }
+            | SendError::Permanent { code, .. } => *code,
+            SendError::Ambiguous { .. } => None,
+        }
+    }
+}
+
+/// The relay accepted the mail.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Delivered {
+    pub code: u16,
+    /// The relay's reply to ".", usually naming its queue id.
+    pub reply: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("`{0}` is not a transport URL: use smtp://, smtps:// or file://")]
+    Scheme(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsMode {
+    /// Plain text, for a relay on the same host or network.
+    None,
+    /// STARTTLS, never downgraded to plain text.
+    StartTls,
+    /// TLS from the first byte (`smtps://`).
+    Implicit,
+}
+
+/// What `transport.url` names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TransportKind {
+    Smtp {
+        host: String,
+        port: u16,
+        tls: TlsMode,
+    },
+    File {
+        dir: PathBuf,
+    },
+}
+
+impl TransportKind {
+    pub fn parse(url: &str) -> Result<TransportKind, TransportError> {
+        let (scheme, rest) = url
+            .split_once("://")
+            .ok_or_else(|| TransportError::Scheme(url.to_string()))?;
+        match scheme {
+            "file" => {
+                if rest.is_empty() {
+                    return Err(TransportError::Invalid("file:// needs a directory".into()));
+                }
+                Ok(TransportKind::File {
+                    dir: PathBuf::from(rest),
+                })
+            }
+            "smtp" | "smtps" => {
+                let (authority, query) = rest.split_once('?').unwrap_or((rest, ""));
+                let authority = authority.trim_end_matches('/');
+                let default_port = if scheme == "smtps" { 465 } else { 25 };
+                let (host, port) = split_host_port(authority, default_port)?;
+                let mut tls = if scheme == "smtps" {
+                    TlsMode::Implicit
+                } else {
+                    TlsMode::None
+                };
+                for pair in query.split('&').filter(|p| !p.is_empty()) {
+                    match pair {
+                        "tls=required" if scheme == "smtp" => tls = TlsMode::StartTls,
+                        "tls=none" if scheme == "smtp" => tls = TlsMode::None,
+                        other => {
+                            return Err(TransportError::Invalid(format!(
+                                "unknown option `{other}` (smtp:// takes tls=required)"
+                            )))
+                        }
+                    }
+                }
+                Ok(TransportKind::Smtp { host, port, tls })
+            }
+            other => Err(TransportError::Scheme(other.to_string())),
+        }
+    }
+}
+
+fn split_host_port(authority: &str, default_port: u16) -> Result<(String, u16), TransportError> {
+    let invalid = || TransportError::Invalid(format!("`{authority}` is not host:port"));
+    if authority.is_empty() || authority.contains('@') {
+        return Err(TransportError::Invalid(
+            "the URL needs a host (credentials go in transport.username/password)".into(),
+        ));
+    }
+    if let Some(v6) = authority.strip_prefix('[') {
+        let (host, rest) = v6.split_once(']').ok_or_else(invalid)?;
+        let port = match rest.strip_prefix(':') {
+            Some(p) => p.parse().map_err(|_| invalid())?,
+            None if rest.is_empty() => default_port,
+            None => return Err(invalid()),
+        };
+        return Ok((host.to_string(), port));
+    }
+    match authority.rsplit_once(':') {
+        Some((host, port)) => Ok((host.to_string(), port.parse().map_err(|_| invalid())?)),
+        None => Ok((authority.to_string(), default_port)),
+    }
+}
+
+/// Where mail goes: an SMTP relay or a directory of `.eml` files.
+pub enum Transport {
+    Smtp(SmtpPool),
+    File(FileTransport),
+}
+
+impl Transport {
+    pub fn new(
+        settings: &TransportSettings,
+        password: Option<SecretString>,
+        hello_name: &str,
+    ) -> Result<Transport, TransportError> {
+        match TransportKind::parse(&settings.url)? {
+            TransportKind::File { dir } => Ok(Transport::File(FileTransport { dir })),
+            TransportKind::Smtp { host, port, tls } => {
+                let tls_parameters = match tls {
+                    TlsMode::None => None,
+                    _ => Some(
+                        TlsParameters::builder(host.clone())
+                            .dangerous_accept_invalid_certs(settings.accept_invalid_certs)
+                            .dangerous_accept_invalid_hostnames(settings.accept_invalid_certs)
+                            .build_rustls()
+                            .map_err(|e| TransportError::Invalid(format!("TLS setup: {e}")))?,
+                    ),
+                };
+                let credentials = match (&settings.username, password) {
+                    (Some(user), Some(pass)) => Some(Credentials::new(
+                        user.clone(),
+                        pass.expose_secret().to_string(),
+                    )),
+                    (Some(_), None) => {
+                        return Err(TransportError::Invalid(
+                            "transport.username needs transport.password or password_file".into(),
+                        ))
+                    }
+                    (None, _) => None,
+                };
+                Ok(Transport::Smtp(SmtpPool {
+                    host,
+                    port,
+                    tls,
+                    tls_parameters,
+                    credentials,
+                    hello: ClientId::Domain(hello_name.to_string()),
+                    timeout: settings.timeout,
+                    data_timeout: settings.data_timeout,
+                    pool_size: settings.pool_size,
+                    idle: Mutex::new(Vec::new()),
+                }))
+            }
+        }
+    }
+
+    /// Delivers one prepared mail; `id` names the file of the file transport.
+    pub async fn send(&self, id: i64, mail: &PreparedMail) -> Result<Delivered, SendError> {
+        match self {
+            Transport::Smtp(pool) => pool.send(mail).await,
+            Transport::File(file) => file.send(id, mail).await,
+        }
+    }
+
+    /// Opens (and closes) one session, as `tablemail check` does.
+    pub async fn probe(&self) -> Result<String, SendError> {
+        match self {
+            Transport::Smtp(pool) => {
+                let mut conn = pool.connect().await?;
+                let info = conn.conn.server_info().to_string();
+                let _ = tokio::time::timeout(pool.timeout, conn.conn.quit()).await;
+                Ok(info)
+            }
+            Transport::File(file) => {
+                tokio::fs::create_dir_all(&file.dir)
+                    .await
+                    .map_err(|e| SendError::RelayDown {
+                        reason: format!("cannot create {}: {e}", file.dir.display()),
+                        code: None,
+                        needs_operator: true,
+                    })?;
+                Ok(format!("directory {}", file.dir.display()))
+            }
+        }
+    }
+
+    /// Closes idle connections politely.
+    pub async fn close(&self) {
+        if let Transport::Smtp(pool) = self {
+            let idle: Vec<IdleConnection> = std::mem::take(&mut *pool.idle.lock().unwrap());
+            for mut c in idle {
+                let _ = tokio::time::timeout(pool.timeout, c.conn.conn.quit()).await;
+            }
+        }
+    }
+}
+
+/// Writes each mail as `<id>.eml` into a directory; nothing leaves the machine.
+pub struct FileTransport {
+    dir: PathBuf,
+}
+
+impl FileTransport {
+    async fn send(&self, id: i64, mail: &PreparedMail) -> Result<Delivered, SendError> {
+        let down = |e: io::Error| SendError::RelayDown {
+            reason: format!("cannot write to {}: {e}", self.dir.display()),
+            code: None,
+            needs_operator: true,
+        };
+        tokio::fs::create_dir_all(&self.dir).await.map_err(down)?;
+        let tmp = self.dir.join(format!(".{id}.eml.tmp"));
+        let path = self.dir.join(format!("{id}.eml"));
+        tokio::fs::write(&tmp, &mail.bytes).await.map_err(down)?;
+        tokio::fs::rename(&tmp, &path).await.map_err(down)?;
+        Ok(Delivered {
+            code: 250,
+            reply: format!("written to {}", path.display()),
+        })
+    }
+}
+
+/// Reuse an idle connection without a NOOP if it rested less than this.
+const IDLE_CHECK_AFTER: Duration = Duration::from_secs(5);
+
+/// SMTP sessions to one relay, reused across mails.
+pub struct SmtpPool {
+    host: String,
+    port: u16,
+    tls: TlsMode,
+    tls_parameters: Option<TlsParameters>,
+    credentials: Option<Credentials>,
+    hello: ClientId,
+    timeout: Duration,
+    data_timeout: Duration,
+    pool_size: usize,
+    idle: Mutex<Vec<IdleConnection>>,
+}
+
+struct Connection {
+    conn: AsyncSmtpConnection,
+    /// Counts reads on the socket, to tell whether "." went out (see `TrackedStream`).
+    reads: Arc<AtomicU64>,
+}
+
+struct IdleConnection {
+    conn: Connection,
+    since: Instant,
+}
+
+/// Where in the SMTP conversation a failure happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    MailFrom,
+    RcptTo,
+    Data,
+    /// Body and final "." (and the wait for the reply).
+    EndOfData,
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Stage::MailFrom => "MAIL FROM",
+            Stage::RcptTo => "RCPT TO",
+            Stage::Data => "DATA",
+            Stage::EndOfData => "end of data",
+        })
+    }
+}
+
+/// A failure inside one mail transaction.
+struct TxFailure {
+    stage: Stage,
+    /// The relay's reply, when it gave one.
+    reply: Option<(u16, String)>,
+    /// Without a reply: what broke.
+    detail: String,
+    /// For `EndOfData` without a reply: "." was written before it broke.
+    dot_sent: bool,
+}
+
+impl SmtpPool {
+    async fn send(&self, mail: &PreparedMail) -> Result<Delivered, SendError> {
+        // A reused connection may have been closed by the relay while idle; if
+        // it breaks before the relay said anything about this mail, try once
+        // more on a fresh one rather than blaming the mail or the relay.
+        let mut fresh_retry = true;
+        loop {
+            let (mut conn, reused) = match self.take_idle().await {
+                Some(conn) => (conn, true),
+                None => (self.connect().await?, false),
+            };
+            match self.transaction(&mut conn, mail).await {
+                Ok(delivered) => {
+                    self.put_back(conn);
+                    return Ok(delivered);
+                }
+                Err(f) => {
+                    let stale = reused
+                        && fresh_retry
+                        && f.stage == Stage::MailFrom
+                        && f.reply.as_ref().is_none_or(|(code, _)| *code == 421);
+                    if stale {
+                        fresh_retry = false;
+                        continue;
+                    }
+                    let error = classify(&f);
+                    let keep = matches!(f.reply, Some((code, _)) if code != 421)
+                        && (f.stage == Stage::EndOfData
+                            || timed(self.timeout, conn.conn.command(Rset)).await.is_ok());
+                    if keep {
+                        self.put_back(conn);
+                    } else {
+                        conn.conn.abort().await;
+                    }
+                    return Err(error);
+                }
+            }
+        }
+    }
+
+    async fn take_idle(&self) -> Option<Connection> {
+        loop {
+            let idle = self.idle.lock().unwrap().pop()?;
+            let mut conn = idle.conn;
+            if idle.since.elapsed() < IDLE_CHECK_AFTER {
+                return Some(conn);
+            }
+            if timed(self.timeout, conn.conn.command(Noop)).await.is_ok() {
+                return Some(conn);
+            }
+            conn.conn.abort().await;
+        }
+    }
+
+    fn put_back(&self, conn: Connection) {
+        if conn.conn.has_broken() {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap();
+        if idle.len() < self.pool_size {
+            idle.push(IdleConnection {
+                conn,
+                since: Instant::now(),
+            });
+        }
+        // Beyond pool_size the connection is dropped; the relay sees the close.
+    }
+
+    /// Opens a session: TCP (NODELAY), TLS, greeting, EHLO, STARTTLS, AUTH.
+    /// Every failure here means the relay is unavailable.
+    async fn connect(&self) -> Result<Connection, SendError> {
+        let down = |reason: String, code: Option<u16>, needs_operator: bool| SendError::RelayDown {
+            reason,
+            code,
+            needs_operator,
+        };
+        let addr = format!("{}:{}", self.host, self.port);
+        let tcp = match tokio::time::timeout(self.timeout, TcpStream::connect(&addr)).await {
+            Ok(Ok(tcp)) => tcp,
+            Ok(Err(e)) => return Err(down(format!("connect to {addr}: {e}"), None, false)),
+            Err(_) => return Err(down(format!("connect to {addr}: timed out"), None, false)),
+        };
+        tcp.set_nodelay(true)
+            .map_err(|e| down(format!("set TCP_NODELAY: {e}"), None, false))?;
+        let reads = Arc::new(AtomicU64::new(0));
+        let tracked = TrackedStream {
+            inner: tcp,
+            reads: reads.clone(),
+        };
+        let stream: Box<dyn AsyncTokioStream> = match (self.tls, &self.tls_parameters) {
+            (TlsMode::Implicit, Some(params)) => {
+                let tls = timed(self.timeout, implicit_tls(tracked, params.clone()))
+                    .await
+                    .map_err(|e| down(format!("TLS with {addr}: {e}"), None, true))?;
+                Box::new(tls)
+            }
+            _ => Box::new(tracked),
+        };
+        let mut conn = timed(
+            self.timeout,
+            AsyncSmtpConnection::connect_with_transport(stream, &self.hello),
+        )
+        .await
+        .map_err(|e| {
+            let code = e.code();
+            down(format!("greeting from {addr}: {e}"), code, e.is_tls())
+        })?;
+        if let (TlsMode::StartTls, Some(params)) = (self.tls, &self.tls_parameters) {
+            if !conn.can_starttls() {
+                conn.abort().await;
+                return Err(down(
+                    format!("{addr} does not offer STARTTLS, and tls=required forbids plain text"),
+                    None,
+                    true,
+                ));
+            }
+            timed(self.timeout, conn.starttls(params.clone(), &self.hello))
+                .await
+                .map_err(|e| {
+                    let code = e.code();
+                    down(format!("STARTTLS with {addr}: {e}"), code, code.is_none_or(|c| c >= 500))
+                })?;
+        }
+        if let Some(credentials) = &self.credentials {
+            let mechanisms = [Mechanism::Plain, Mechanism::Login];
+            if let Err(e) = timed(self.timeout, conn.auth(&mechanisms, credentials)).await {
+                let code = e.code();
+                conn.abort().await;
+                // 454 and friends are temporary; 535 and the like need an operator.
+                let needs_operator = code.is_none_or(|c| c >= 500);
+                return Err(down(format!("AUTH at {addr}: {e}"), code, needs_operator));
+            }
+        }
+        Ok(Connection { conn, reads })
+    }
+
+    /// MAIL, RCPT…, DATA, body: one command at a time, each under a timeout.
+    async fn transaction(
+        &self,
+        conn: &mut Connection,
+        mail: &PreparedMail,
+    ) -> Result<Delivered, TxFailure> {
+        let envelope = &mail.envelope;
+        let mut params = Vec::new();
+        let info = conn.conn.server_info();
+        let ascii = |a: &lettre::Address| AsRef::<str>::as_ref(a).is_ascii();
+        let non_ascii = envelope.from().is_some_and(|a| !ascii(a)) || !envelope.to().iter().all(ascii);
+        if non_ascii && info.supports_feature(Extension::SmtpUtfEight) {
+            params.push(MailParameter::SmtpUtfEight);
+        }
+        if !mail.bytes.is_ascii() && info.supports_feature(Extension::EightBitMime) {
+            params.push(MailParameter::Body(MailBodyParameter::EightBitMime));
+        }
+        let mail_from = Mail::new(envelope.from().cloned(), params);
+        step(Stage::MailFrom, timed(self.timeout, conn.conn.command(mail_from)).await)?;
+        for rcpt in envelope.to() {
+            let command = Rcpt::new(rcpt.clone(), vec![]);
+            step(Stage::RcptTo, timed(self.timeout, conn.conn.command(command)).await)?;
+        }
+        step(Stage::Data, timed(self.timeout, conn.conn.command(Data)).await)?;
+        let reads_before = conn.reads.load(Ordering::Relaxed);
+        let sent = timed(self.data_timeout, conn.conn.message(&mail.bytes)).await;
+        match sent {
+            Ok(response) => Ok(Delivered {
+                code: code_number(response.code()),
+                reply: response.message().collect::<Vec<_>>().join(" "),
+            }),
+            Err(e) => {
+                // lettre reads the reply only after it wrote the body and ".":
+                // any read since DATA's reply means "." went out.
+                let dot_sent = conn.reads.load(Ordering::Relaxed) > reads_before;
+                Err(failure(Stage::EndOfData, e, dot_sent))
+            }
+        }
+    }
+}
+
+/// The failure of one step, or nothing.
+fn step<T>(stage: Stage, result: Result<T, StepError>) -> Result<(), TxFailure> {
+    result.map(|_| ()).map_err(|e| failure(stage, e, false))
+}
+
+fn failure(stage: Stage, e: StepError, dot_sent: bool) -> TxFailure {
+    TxFailure {
+        stage,
+        reply: e.reply(),
+        detail: e.to_string(),
+        dot_sent,
+    }
+}
+
+/// Maps a transaction failure onto the table of DESIGN §2.
+fn classify(f: &TxFailure) -> SendError {
+    match &f.reply {
+        Some((421, text)) => SendError::RelayDown {
+            reason: format!("{}: 421 {text}", f.stage),
+            code: Some(421),
+            needs_operator: false,
+        },
+        Some((code, text)) if *code >= 500 => SendError::Permanent {
+            reason: format!("{}: {code} {text}", f.stage),
+            code: Some(*code),
+        },
+        Some((code, text)) => SendError::Transient {
+            reason: format!("{}: {code} {text}", f.stage),
+            code: Some(*code),
+        },
+        None if f.stage == Stage::EndOfData && f.dot_sent => SendError::Ambiguous {
+            reason: format!("no reply after end of data: {}", f.detail),
+        },
+        None => SendError::Transient {
+            reason: format!("{}: connection lost before end of data: {}", f.stage, f.detail),
+            code: None,
+        },
+    }
+}
+
+/// A step's error: lettre's, or our timeout.
+#[derive(Debug)]
+enum StepError {
+    Smtp(SmtpError),
+    Timeout(Duration),
+}
+
+impl StepError {
+    fn code(&self) -> Option<u16> {
+        match self {
+            StepError::Smtp(e) => e.status().map(code_number),
+            StepError::Timeout(_) => None,
+        }
+    }
+
+    fn is_tls(&self) -> bool {
+        matches!(self, StepError::Smtp(e) if e.is_tls())
+    }
+
+    fn reply(&self) -> Option<(u16, String)> {
+        let StepError::Smtp(e) = self else {
+            return None;
+        };
+        let code = e.status().map(code_number)?;
+        let text = std::error::Error::source(e)
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        Some((code, text))
+    }
+}
+
+impl fmt::Display for StepError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StepError::Smtp(e) => match self.reply() {
+                Some((code, text)) => write!(f, "{code} {text}"),
+                None => write!(f, "{e}"),
+            },
+            StepError::Timeout(d) => write!(f, "timed out after {}", humantime::format_duration(*d)),
+        }
+    }
+}
+
+/// Runs one SMTP step under a deadline.
+async fn timed<T>(
+    limit: Duration,
+    step: impl std::future::Future<Output = Result<T, SmtpError>>,
+) -> Result<T, StepError> {
+    match tokio::time::timeout(limit, step).await {
+        Ok(result) => result.map_err(StepError::Smtp),
+        Err(_) => Err(StepError::Timeout(limit)),
+    }
+}
+
+fn code_number(code: lettre::transport::smtp::response::Code) -> u16 {
+    code.to_string().parse().unwrap_or(0)
+}
+
+/// The TCP stream under lettre, counting reads.
+///
+/// lettre writes the body and the final "." and only then reads the reply, so
+/// a read after DATA's reply proves "." was written; that is how a failure
+/// after "." (ambiguous: the relay may have the mail) is told apart from a drop
+/// during the body (transient), with or without TLS on top.
+#[derive(Debug)]
+struct TrackedStream {
+    inner: TcpStream,
+    reads: Arc<AtomicU64>,
+}
+
+impl AsyncRead for TrackedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TrackedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl AsyncTokioStream for TrackedStream {
+    fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.inner.peer_addr()
+    }
+}
+
+/// Implicit TLS (`smtps://`) over our own NODELAY socket, using lettre's TLS
+/// setup: lettre's connection API only accepts a stream it then reads the
+/// greeting from, so the TLS layer must already be there.
+#[allow(deprecated)]
+mod implicit {
+    use super::*;
+    use lettre::transport::smtp::client::AsyncNetworkStream;
+    use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt};
+
+    pub(super) struct TlsOverTcp {
+        inner: Compat<AsyncNetworkStream>,
+    }
+
+    impl fmt::Debug for TlsOverTcp {
+        fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("TlsOverTcp")
+        }
+    }
+
+    pub(super) async fn implicit_tls(
+        tcp: TrackedStream,
+        params: TlsParameters,
+    ) -> Result<TlsOverTcp, SmtpError> {
+        let mut stream = AsyncNetworkStream::use_existing_tokio1(Box::new(tcp));
+        stream.upgrade_tls(params).await?;
+        Ok(TlsOverTcp {
+            inner: stream.compat(),
+        })
+    }
+
+    impl AsyncRead for TlsOverTcp {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for TlsOverTcp {
+        fn poll_write(
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Pin::new(&mut self.inner).poll_write(cx, buf)
+        }
+
+        fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_flush(cx)
+        }
+
+        fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.inner).poll_shutdown(cx)
+        }
+    }
+
+    impl AsyncTokioStream for TlsOverTcp {
+        fn peer_addr(&self) -> io::Result<SocketAddr> {
+            self.inner.get_ref().peer_addr()
+        }
+    }
+}
+
+use implicit::implicit_tls;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_transport_urls() {
+        assert_eq!(
+            TransportKind::parse("smtp://relay.example:2525").unwrap(),
+            TransportKind::Smtp {
+                host: "relay.example".into(),
+                port: 2525,
+                tls: TlsMode::None
+            }
+        );
+        assert_eq!(
+            TransportKind::parse("smtp://relay.example:587?tls=required").unwrap(),
+            TransportKind::Smtp {
+                host: "relay.example".into(),
+                port: 587,
+                tls: TlsMode::StartTls
+            }
+        );
+        assert_eq!(
+            TransportKind::parse("smtps://relay.example").unwrap(),
+            TransportKind::Smtp {
+                host: "relay.example".into(),
+                port: 465,
+                tls: TlsMode::Implicit
+            }
+        );
+        assert_eq!(
+            TransportKind::parse("smtp://[::1]:25").unwrap(),
+            TransportKind::Smtp {
+                host: "::1".into(),
+                port: 25,
+                tls: TlsMode::None
+            }
+        );
+        assert_eq!(
+            TransportKind::parse("file://./outbox").unwrap(),
+            TransportKind::File {
+                dir: PathBuf::from("./outbox")
+            }
+        );
+        assert!(TransportKind::parse("http://x").is_err());
+        assert!(TransportKind::parse("smtp://x:notaport").is_err());
+        assert!(TransportKind::parse("smtp://user:pw@x:25").is_err());
+        assert!(TransportKind::parse("smtp://x:25?tls=maybe").is_err());
+    }
+
+    fn tx(stage: Stage, reply: Option<(u16, &str)>, dot_sent: bool) -> SendError {
+        classify(&TxFailure {
+            stage,
+            reply: reply.map(|(c, t)| (c, t.to_string())),
+            detail: "connection reset".into(),
+            dot_sent,
+        })
+    }
+
+    #[test]
+    fn classifies_by_stage_and_reply() {
+        assert!(matches!(
+            tx(Stage::RcptTo, Some((451, "try later")), false),
+            SendError::Transient { code: Some(451), .. }
+        ));
+        assert!(matches!(
+            tx(Stage::RcptTo, Some((550, "no such user")), false),
+            SendError::Permanent { code: Some(550), .. }
+        ));
+        assert!(matches!(
+            tx(Stage::EndOfData, Some((554, "spam")), true),
+            SendError::Permanent { code: Some(554), .. }
+        ));
+        assert!(matches!(
+            tx(Stage::MailFrom, Some((421, "closing")), false),
+            SendError::RelayDown { code: Some(421), .. }
+        ));
+        assert!(matches!(
+            tx(Stage::EndOfData, None, true),
+            SendError::Ambiguous { .. }
+        ));
+        assert!(matches!(
+            tx(Stage::EndOfData, None, false),
+            SendError::Transient { code: None, .. }
+        ));
+        assert!(matches!(
+            tx(Stage::Data, None, false),
+            SendError::Transient { code: None, .. }
+        ));
+        let reason = tx(Stage::RcptTo, Some((550, "5.1.1 unknown")), false).to_string();
+        assert_eq!(reason, "RCPT TO: 550 5.1.1 unknown");
+    }
+}

@@ -1,0 +1,678 @@
+//! claim -> send -> finalize.
+//!
+//! [`Worker::process_batch`] is the whole unit of work in one call (tests drive
+//! it directly). [`Worker::run`] is the daemon: the same three pieces
+//! (`claim`, `deliver`, `commit`) overlapped, so SMTP connections never wait for
+//! the database: one claimer keeps a buffer of claimed rows, each mail is sent
+//! as soon as a connection is free, and a finalizer writes whatever outcomes
+//! are ready in one fenced statement (group commit). Beside them, a task renews
+//! the locks of rows still held, and a sweeper releases stale locks and purges
+//! finished rows past their retention.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use tokio::{
+    sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore},
+    task::JoinSet,
+    time::Instant,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::{Ambiguous, RetentionSettings, WorkerSettings},
+    mail::{self, MessageDefaults},
+    retry,
+    store::{BatchLock, Claim, FinalAction, Finalize, QueuedMail, Store, StoreError},
+    telemetry::redact_addresses,
+    transport::{SendError, Transport},
+};
+
+/// What one mail came to, with what the log line needs.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub write: Finalize,
+    pub attempt: i32,
+    pub smtp_code: Option<u16>,
+    pub elapsed_ms: u64,
+    pub recipient_domains: String,
+    /// The relay's reply on success, for the log.
+    pub reply: Option<String>,
+    /// A reply lost after "." (logged as `ambiguous`).
+    pub ambiguous: bool,
+}
+
+/// What [`Worker::process_batch`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    pub claimed: usize,
+    pub sent: usize,
+    pub retried: usize,
+    pub failed: usize,
+    pub unknown: usize,
+    pub released: usize,
+    /// Outcomes not written because the lock had been taken away.
+    pub fenced: usize,
+}
+
+impl BatchReport {
+    fn add(&mut self, outcome: &Outcome, written: bool) {
+        if !written {
+            self.fenced += 1;
+            return;
+        }
+        match outcome.write.action {
+            FinalAction::Sent => self.sent += 1,
+            FinalAction::Retry { .. } => self.retried += 1,
+            FinalAction::Failed { .. } => self.failed += 1,
+            FinalAction::Unknown { .. } => self.unknown += 1,
+            FinalAction::Release => self.released += 1,
+        }
+    }
+}
+
+/// Pauses sending while the relay is unavailable, with exponential backoff.
+#[derive(Debug, Default)]
+pub struct RelayGate {
+    state: Mutex<GateState>,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    failures: u32,
+    paused_until: Option<Instant>,
+}
+
+impl RelayGate {
+    /// Time left in the current pause, if any.
+    pub fn paused_for(&self) -> Option<Duration> {
+        let state = self.state.lock().unwrap();
+        let until = state.paused_until?;
+        let now = Instant::now();
+        (until > now).then(|| until - now)
+    }
+
+    /// The relay failed: start (or keep) a pause. Logs once per pause.
+    fn trip(&self, error: &SendError) {
+        let mut state = self.state.lock().unwrap();
+        let now = Instant::now();
+        if state.paused_until.is_some_and(|until| until > now) {
+            return;
+        }
+        state.failures += 1;
+        let pause = retry::relay_pause(state.failures, retry::jitter());
+        state.paused_until = Some(now + pause);
+        let reason = redact_addresses(&error.to_string());
+        let pause_ms = pause.as_millis() as u64;
+        let smtp_code = error.code();
+        match error {
+            SendError::RelayDown {
+                needs_operator: true,
+                ..
+            } => tracing::error!(error = %reason, smtp_code, pause_ms, "relay unavailable"),
+            _ => tracing::warn!(error = %reason, smtp_code, pause_ms, "relay unavailable"),
+        }
+    }
+
+    /// A mail went through: the relay is back.
+    fn reset(&self) {
+        let mut state = self.state.lock().unwrap();
+        if state.failures > 0 {
+            tracing::info!(failures = state.failures, "relay available again");
+        }
+        *state = GateState::default();
+    }
+
+    /// Whether the relay answered the last attempt (for health checks).
+    pub fn is_up(&self) -> bool {
+        self.state.lock().unwrap().failures == 0
+    }
+}
+
+/// Rows this process holds, by id, with their batch lock. Claims add, commits
+/// remove; renewals and the shutdown release read it.
+#[derive(Debug, Default)]
+struct Held {
+    rows: Mutex<HashMap<i64, BatchLock>>,
+}
+
+impl Held {
+    fn add(&self, mails: &[QueuedMail]) {
+        let mut rows = self.rows.lock().unwrap();
+        for m in mails {
+            rows.insert(m.id, m.lock);
+        }
+    }
+
+    fn remove(&self, ids: impl IntoIterator<Item = i64>) {
+        let mut rows = self.rows.lock().unwrap();
+        for id in ids {
+            rows.remove(&id);
+        }
+    }
+
+    fn locks(&self) -> Vec<BatchLock> {
+        let rows = self.rows.lock().unwrap();
+        let mut locks: Vec<BatchLock> = rows.values().copied().collect();
+        locks.sort_unstable_by_key(|l| l.0);
+        locks.dedup();
+        locks
+    }
+
+    fn all(&self) -> Vec<(i64, BatchLock)> {
+        self.rows
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, lock)| (*id, *lock))
+            .collect()
+    }
+
+    fn len(&self) -> usize {
+        self.rows.lock().unwrap().len()
+    }
+}
+
+/// Claims, sends and finalizes mails for one daemon.
+pub struct Worker {
+    store: Arc<dyn Store>,
+    transport: Arc<Transport>,
+    settings: WorkerSettings,
+    retention: RetentionSettings,
+    defaults: MessageDefaults,
+    message_id_domain: String,
+    relay: RelayGate,
+    held: Held,
+    wake: Arc<Notify>,
+}
+
+impl Worker {
+    pub fn new(
+        store: Arc<dyn Store>,
+        transport: Arc<Transport>,
+        settings: WorkerSettings,
+        retention: RetentionSettings,
+        defaults: MessageDefaults,
+        message_id_domain: String,
+    ) -> Arc<Worker> {
+        Arc::new(Worker {
+            store,
+            transport,
+            settings,
+            retention,
+            defaults,
+            message_id_domain,
+            relay: RelayGate::default(),
+            held: Held::default(),
+            wake: Arc::new(Notify::new()),
+        })
+    }
+
+    pub fn relay(&self) -> &RelayGate {
+        &self.relay
+    }
+
+    /// Claims one batch, sends it (up to `worker.concurrency` at once) and
+    /// writes every outcome.
+    pub async fn process_batch(self: &Arc<Self>) -> Result<BatchReport, StoreError> {
+        let mails = self.claim(self.settings.batch_size).await?;
+        let mut report = BatchReport {
+            claimed: mails.len(),
+            ..Default::default()
+        };
+        let sending = Arc::new(Semaphore::new(self.settings.concurrency));
+        let mut tasks = JoinSet::new();
+        for mail in mails {
+            let worker = self.clone();
+            let sending = sending.clone();
+            tasks.spawn(async move {
+                let _permit = sending.acquire_owned().await;
+                worker.deliver(mail).await
+            });
+        }
+        let mut outcomes = Vec::with_capacity(report.claimed);
+        while let Some(done) = tasks.join_next().await {
+            outcomes.push(done.expect("deliver does not panic"));
+        }
+        let written = self.commit(&outcomes).await?;
+        for (outcome, written) in outcomes.iter().zip(written) {
+            report.add(outcome, written);
+        }
+        Ok(report)
+    }
+
+    /// Claims up to `limit` due rows under a fresh batch lock.
+    async fn claim(&self, limit: usize) -> Result<Vec<QueuedMail>, StoreError> {
+        let claim = Claim {
+            lock: BatchLock::new(),
+            limit,
+            max_age: self.settings.max_age,
+            message_id_domain: &self.message_id_domain,
+        };
+        let mut mails = self.store.claim_batch(&claim).await?;
+        self.held.add(&mails);
+        // The database returns them in no particular order; start the most
+        // important ones first.
+        mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
+        Ok(mails)
+    }
+
+    /// Decides what becomes of one claimed mail, sending it if it can go.
+    async fn deliver(&self, mail: QueuedMail) -> Outcome {
+        let mut outcome = Outcome {
+            write: Finalize {
+                id: mail.id,
+                lock: mail.lock,
+                action: FinalAction::Release,
+            },
+            attempt: mail.attempts,
+            smtp_code: None,
+            elapsed_ms: 0,
+            recipient_domains: String::new(),
+            reply: None,
+            ambiguous: false,
+        };
+        if mail.expired {
+            outcome.write.action = FinalAction::Failed {
+                error: "expired".into(),
+            };
+            return outcome;
+        }
+        if self.relay.paused_for().is_some() {
+            return outcome;
+        }
+        let prepared = match mail::prepare(&mail, &self.defaults) {
+            Ok(p) => p,
+            Err(e) => {
+                outcome.write.action = FinalAction::Failed {
+                    error: e.to_string(),
+                };
+                return outcome;
+            }
+        };
+        outcome.recipient_domains = prepared.recipient_domains.clone();
+        let started = std::time::Instant::now();
+        let sent = self.transport.send(mail.id, &prepared).await;
+        outcome.elapsed_ms = started.elapsed().as_millis() as u64;
+        let can_retry = mail.attempts_remaining > 0;
+        let backoff = || {
+            retry::retry_delay(
+                mail.attempts.max(1) as u32,
+                self.settings.retry_base,
+                self.settings.retry_max,
+                retry::jitter(),
+            )
+        };
+        outcome.write.action = match sent {
+            Ok(delivered) => {
+                self.relay.reset();
+                outcome.smtp_code = Some(delivered.code);
+                outcome.reply = Some(delivered.reply);
+                FinalAction::Sent
+            }
+            Err(e) => {
+                outcome.smtp_code = e.code();
+                match e {
+                    SendError::RelayDown { .. } => {
+                        self.relay.trip(&e);
+                        FinalAction::Release
+                    }
+                    SendError::Transient { reason, .. } if can_retry => FinalAction::Retry {
+                        delay: backoff(),
+                        error: reason,
+                    },
+                    SendError::Transient { reason, .. } | SendError::Permanent { reason, .. } => {
+                        FinalAction::Failed { error: reason }
+                    }
+                    SendError::Ambiguous { reason } => {
+                        outcome.ambiguous = true;
+                        let hold = self.settings.ambiguous == Ambiguous::Hold;
+                        if hold || !can_retry {
+                            FinalAction::Unknown { error: reason }
+                        } else {
+                            FinalAction::Retry {
+                                delay: backoff(),
+                                error: reason,
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        outcome
+    }
+
+    /// Writes outcomes in one fenced statement and logs each. Returns, per
+    /// outcome, whether it was written (false: the lock had been taken away).
+    async fn commit(&self, outcomes: &[Outcome]) -> Result<Vec<bool>, StoreError> {
+        if outcomes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let writes: Vec<Finalize> = outcomes.iter().map(|o| o.write.clone()).collect();
+        let written = self.store.finalize(&writes).await?;
+        self.held.remove(outcomes.iter().map(|o| o.write.id));
+        let written: std::collections::HashSet<i64> = written.into_iter().collect();
+        Ok(outcomes
+            .iter()
+            .map(|o| {
+                let ok = written.contains(&o.write.id);
+                log_outcome(o, ok);
+                ok
+            })
+            .collect())
+    }
+
+    /// Runs until `cancel` fires, then drains and returns.
+    pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
+        let listening = self
+            .store
+            .spawn_wakeup_listener(self.wake.clone(), cancel.clone());
+        tracing::info!(
+            backend = %self.store.backend(),
+            concurrency = self.settings.concurrency,
+            batch_size = self.settings.batch_size,
+            wakeup = if listening { "notify" } else { "poll" },
+            "worker started"
+        );
+        let background = CancellationToken::new();
+        let mut chores = JoinSet::new();
+        chores.spawn(self.clone().renew_locks(background.clone()));
+        chores.spawn(self.clone().sweep(background.clone()));
+
+        let (results, finalizer_input) = mpsc::unbounded_channel();
+        let finalizer = tokio::spawn(self.clone().finalize_loop(finalizer_input));
+        let mut sends = JoinSet::new();
+        self.claim_loop(&cancel, &results, &mut sends).await;
+
+        // Shutdown: no new claims. Unstarted sends release their rows at once
+        // (they see `cancel`); in-flight ones get `shutdown_timeout` to finish.
+        let deadline = Instant::now() + self.settings.shutdown_timeout;
+        tracing::info!(in_flight = self.held.len(), "shutting down: draining");
+        loop {
+            tokio::select! {
+                next = sends.join_next() => if next.is_none() { break },
+                _ = tokio::time::sleep_until(deadline) => {
+                    tracing::warn!(interrupted = sends.len(), "shutdown timeout: interrupting sends");
+                    sends.abort_all();
+                    while sends.join_next().await.is_some() {}
+                    break;
+                }
+            }
+        }
+        drop(results);
+        let _ = finalizer.await;
+        background.cancel();
+        while chores.join_next().await.is_some() {}
+        self.release_remaining().await;
+        self.transport.close().await;
+        tracing::info!("worker stopped");
+    }
+
+    /// Keeps a buffer of claimed rows and starts a send for each.
+    async fn claim_loop(
+        self: &Arc<Self>,
+        cancel: &CancellationToken,
+        results: &mpsc::UnboundedSender<(Outcome, OwnedSemaphorePermit)>,
+        sends: &mut JoinSet<()>,
+    ) {
+        let batch = self.settings.batch_size;
+        // Claimed-but-unfinished rows: enough to keep every connection busy
+        // while the next claim and the last commit are on their way.
+        let slots = Arc::new(Semaphore::new(self.settings.concurrency + 2 * batch));
+        let sending = Arc::new(Semaphore::new(self.settings.concurrency));
+        // Under load, claim at least half a batch at a time, not a row per
+        // freed slot: one round-trip per row would cap throughput.
+        let min_claim = (batch / 2).max(1);
+        let mut more_due = true;
+        let mut db_failures = 0u32;
+        loop {
+            if !more_due {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = self.wake.notified() => {}
+                    _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                }
+            }
+            if let Some(pause) = self.relay.paused_for() {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+            let mut permits = tokio::select! {
+                _ = cancel.cancelled() => return,
+                p = slots.clone().acquire_many_owned(min_claim as u32) => p.expect("never closed"),
+            };
+            let extra = slots.available_permits().min(batch - min_claim);
+            if extra > 0 {
+                if let Ok(more) = slots.clone().try_acquire_many_owned(extra as u32) {
+                    permits.merge(more);
+                }
+            }
+            let want = permits.num_permits();
+            let mails = match self.claim(want).await {
+                Ok(mails) => {
+                    db_failures = 0;
+                    mails
+                }
+                Err(e) => {
+                    db_failures += 1;
+                    let pause = retry::relay_pause(db_failures, retry::jitter()).min(Duration::from_secs(30));
+                    tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "database unavailable");
+                    drop(permits);
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                    more_due = true;
+                    continue;
+                }
+            };
+            more_due = mails.len() == want;
+            for mail in mails {
+                let slot = permits.split(1).expect("one permit per claimed row");
+                let worker = self.clone();
+                let sending = sending.clone();
+                let results = results.clone();
+                let cancel = cancel.clone();
+                sends.spawn(async move {
+                    let outcome = tokio::select! {
+                        biased;
+                        _ = cancel.cancelled() => None,
+                        permit = sending.acquire_owned() => Some(permit),
+                    };
+                    let outcome = match outcome {
+                        Some(_permit) => worker.deliver(mail).await,
+                        None => worker.release(mail),
+                    };
+                    let _ = results.send((outcome, slot));
+                });
+            }
+            // Reap finished send tasks so the set does not grow without bound.
+            while sends.try_join_next().is_some() {}
+        }
+    }
+
+    /// The outcome of a row given back unsent (shutdown).
+    fn release(&self, mail: QueuedMail) -> Outcome {
+        Outcome {
+            write: Finalize {
+                id: mail.id,
+                lock: mail.lock,
+                action: FinalAction::Release,
+            },
+            attempt: mail.attempts,
+            smtp_code: None,
+            elapsed_ms: 0,
+            recipient_domains: String::new(),
+            reply: None,
+            ambiguous: false,
+        }
+    }
+
+    /// Group commit: writes every outcome that is ready in one statement.
+    /// A database error is retried (the commit, never the send).
+    async fn finalize_loop(
+        self: Arc<Self>,
+        mut input: mpsc::UnboundedReceiver<(Outcome, OwnedSemaphorePermit)>,
+    ) {
+        const MAX_GROUP: usize = 1000;
+        let mut group = Vec::with_capacity(MAX_GROUP);
+        while input.recv_many(&mut group, MAX_GROUP).await > 0 {
+            let outcomes: Vec<Outcome> = group.iter().map(|(o, _)| o.clone()).collect();
+            let mut failures = 0u32;
+            while let Err(e) = self.commit(&outcomes).await {
+                failures += 1;
+                let pause = retry::relay_pause(failures, retry::jitter()).min(Duration::from_secs(10));
+                tracing::error!(error = %e, rows = outcomes.len(), retry_in_ms = pause.as_millis() as u64,
+                    "database unavailable: outcome not written yet");
+                tokio::time::sleep(pause).await;
+            }
+            // Frees the buffer slots of these rows.
+            group.clear();
+        }
+    }
+
+    /// Renews `locked_at` of held rows, so only a dead worker's rows go stale.
+    async fn renew_locks(self: Arc<Self>, stop: CancellationToken) {
+        let every = self.settings.lock_timeout / 3;
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+            let locks = self.held.locks();
+            if let Err(e) = self.store.renew_locks(&locks).await {
+                tracing::warn!(error = %e, "lock renewal failed");
+            }
+        }
+    }
+
+    /// Releases stale locks of dead workers and purges finished rows.
+    async fn sweep(self: Arc<Self>, stop: CancellationToken) {
+        const PURGE_BATCH: usize = 1000;
+        let every = (self.settings.lock_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let mut last_purge: Option<Instant> = None;
+        loop {
+            match self.store.release_stale_locks(self.settings.lock_timeout).await {
+                Ok(rows) if !rows.is_empty() => {
+                    let requeued = rows.iter().filter(|r| r.requeued).count();
+                    let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
+                    tracing::warn!(
+                        count = rows.len(),
+                        requeued,
+                        failed = rows.len() - requeued,
+                        ids = ?ids,
+                        outcome = "released",
+                        "stale locks released"
+                    );
+                    self.wake.notify_one();
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "stale lock sweep failed"),
+            }
+            if last_purge.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                last_purge = Some(Instant::now());
+                let mut purged = 0;
+                loop {
+                    match self
+                        .store
+                        .purge(self.retention.sent, self.retention.failed, PURGE_BATCH)
+                        .await
+                    {
+                        Ok(n) => {
+                            purged += n;
+                            if (n as usize) < PURGE_BATCH || stop.is_cancelled() {
+                                break;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "retention purge failed");
+                            break;
+                        }
+                    }
+                }
+                if purged > 0 {
+                    tracing::info!(count = purged, "finished rows purged");
+                }
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+
+    /// After the drain: rows still held (interrupted or never committed) go
+    /// back to `queued` with their attempt refunded.
+    async fn release_remaining(&self) {
+        let rows = self.held.all();
+        if rows.is_empty() {
+            return;
+        }
+        let writes: Vec<Finalize> = rows
+            .iter()
+            .map(|(id, lock)| Finalize {
+                id: *id,
+                lock: *lock,
+                action: FinalAction::Release,
+            })
+            .collect();
+        for attempt in 1..=5u32 {
+            match self.store.finalize(&writes).await {
+                Ok(done) => {
+                    tracing::info!(count = done.len(), outcome = "released", "unsent mails released");
+                    self.held.remove(rows.iter().map(|(id, _)| *id));
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, attempt, "could not release unsent mails");
+                    tokio::time::sleep(Duration::from_millis(500 * attempt as u64)).await;
+                }
+            }
+        }
+        tracing::error!(
+            count = rows.len(),
+            "unsent mails stay locked; any daemon releases them after worker.lock_timeout"
+        );
+    }
+}
+
+fn log_outcome(o: &Outcome, written: bool) {
+    let id = o.write.id;
+    let lock = o.write.lock.to_string();
+    if !written {
+        tracing::warn!(mail_id = id, lock, attempt = o.attempt, "mail lock lost: outcome not written");
+        return;
+    }
+    let code = o.smtp_code;
+    let elapsed = o.elapsed_ms;
+    let domain = o.recipient_domains.as_str();
+    match &o.write.action {
+        FinalAction::Sent => {
+            let reply = o.reply.as_deref().map(redact_addresses);
+            tracing::info!(mail_id = id, lock, attempt = o.attempt, outcome = "sent", smtp_code = code,
+                elapsed_ms = elapsed, domain, reply, "mail sent")
+        }
+        FinalAction::Retry { delay, error } => {
+            let outcome = if o.ambiguous { "ambiguous" } else { "retry" };
+            tracing::warn!(mail_id = id, lock, attempt = o.attempt, outcome, smtp_code = code,
+                elapsed_ms = elapsed, domain, retry_in_ms = delay.as_millis() as u64,
+                error = %redact_addresses(error), "mail retry scheduled")
+        }
+        FinalAction::Failed { error } => {
+            tracing::warn!(mail_id = id, lock, attempt = o.attempt, outcome = "failed", smtp_code = code,
+                elapsed_ms = elapsed, domain, error = %redact_addresses(error), "mail failed")
+        }
+        FinalAction::Unknown { error } => {
+            tracing::warn!(mail_id = id, lock, attempt = o.attempt, outcome = "ambiguous", smtp_code = code,
+                elapsed_ms = elapsed, domain, error = %redact_addresses(error), "mail held as unknown")
+        }
+        FinalAction::Release => {
+            tracing::info!(mail_id = id, lock, attempt = o.attempt, outcome = "released", "mail released")
+        }
+    }
+}
