@@ -1,0 +1,394 @@
+//! Test support: a fresh database per test, a real SMTP server, a worker wired
+//! to both, and polling with a deadline.
+#![allow(dead_code)]
+
+use std::{
+    future::Future,
+    io::{BufRead, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::Duration,
+};
+
+use sqlx::{postgres::PgPoolOptions, PgPool, Row};
+use tablemail::{
+    commands,
+    config::Settings,
+    store::{self, Backend, NewMail, Store},
+    worker::Worker,
+};
+
+/// Logs are silent unless TEST_LOG=1.
+pub fn init_logs() {
+    if std::env::var("TEST_LOG").as_deref() == Ok("1") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("tablemail=debug")
+            .with_test_writer()
+            .try_init();
+    }
+}
+
+fn in_ci() -> bool {
+    std::env::var("CI").as_deref() == Ok("true")
+}
+
+/// Skips a test whose backend is unreachable, except under CI=true where that
+/// is a failure.
+pub fn unreachable(backend: Backend, why: impl std::fmt::Display) -> Option<TestDb> {
+    if in_ci() {
+        panic!("{backend} is unreachable under CI=true: {why}");
+    }
+    eprintln!("SKIPPED: {backend} unreachable: {why}");
+    None
+}
+
+pub fn postgres_admin_url() -> String {
+    std::env::var("TABLEMAIL_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A database of its own for one test, dropped afterwards.
+pub struct TestDb {
+    pub backend: Backend,
+    pub url: String,
+    name: String,
+    pub store: Arc<dyn Store>,
+    pool: PgPool,
+}
+
+/// One row of `mail_queue` as the tests look at it.
+#[derive(Debug, Clone)]
+pub struct RowState {
+    pub id: i64,
+    pub status: String,
+    pub attempts: i32,
+    pub attempts_remaining: i32,
+    pub locked: bool,
+    pub message_id: Option<String>,
+    pub last_error: Option<String>,
+    /// `send_at` is in the future (by the database clock).
+    pub scheduled: bool,
+    pub processed: bool,
+}
+
+impl TestDb {
+    pub async fn postgres() -> Option<TestDb> {
+        init_logs();
+        let admin_url = postgres_admin_url();
+        let admin = match PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&admin_url)
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => return unreachable(Backend::Postgres, e),
+        };
+        let name = format!("tm_test_{}", uuid::Uuid::new_v4().simple());
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&admin)
+            .await
+            .expect("create test database");
+        admin.close().await;
+        let url = match admin_url.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{name}"),
+            None => panic!("admin url has no database"),
+        };
+        let store = store::connect(&url, 8).await.expect("connect");
+        store.migrate().await.expect("migrate");
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .expect("connect");
+        Some(TestDb {
+            backend: Backend::Postgres,
+            url,
+            name,
+            store,
+            pool,
+        })
+    }
+
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Runs SQL as an application would.
+    pub async fn exec(&self, sql: &str) -> u64 {
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_string()))
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            .rows_affected()
+    }
+
+    pub async fn scalar_i64(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    pub async fn enqueue(&self, mail: NewMail) -> i64 {
+        self.store.enqueue(&[mail]).await.expect("enqueue")[0].id
+    }
+
+    pub async fn rows(&self) -> Vec<RowState> {
+        let rows = sqlx::query(
+            "SELECT id, status, attempts, attempts_remaining, thread_lock IS NOT NULL AS locked, \
+             message_id, last_error, send_at > now() AS scheduled, processed_at IS NOT NULL AS processed \
+             FROM mail_queue ORDER BY id",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .expect("read rows");
+        rows.iter()
+            .map(|r| RowState {
+                id: r.get("id"),
+                status: r.get("status"),
+                attempts: r.get("attempts"),
+                attempts_remaining: r.get("attempts_remaining"),
+                locked: r.get("locked"),
+                message_id: r.get("message_id"),
+                last_error: r.get("last_error"),
+                scheduled: r.get("scheduled"),
+                processed: r.get("processed"),
+            })
+            .collect()
+    }
+
+    pub async fn row(&self, id: i64) -> RowState {
+        self.rows()
+            .await
+            .into_iter()
+            .find(|r| r.id == id)
+            .unwrap_or_else(|| panic!("no row {id}"))
+    }
+
+    /// Makes every queued row due now (instead of waiting out a backoff).
+    pub async fn make_due(&self) {
+        self.exec("UPDATE mail_queue SET send_at = now() WHERE status = 'queued'")
+            .await;
+    }
+
+    /// Environment for the binary to use this database.
+    pub fn env(&self) -> Vec<(String, String)> {
+        vec![("TABLEMAIL__DATABASE__URL".into(), self.url.clone())]
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        let admin_url = postgres_admin_url();
+        // Drop runs outside any runtime guarantee: use a thread with its own.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(admin) = PgPoolOptions::new().max_connections(1).connect(&admin_url).await {
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&admin)
+                    .await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A mail the SMTP server accepted (or, in `attempts`, saw end of data of).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct Received {
+    pub mail_from: String,
+    pub rcpt_tos: Vec<String>,
+    pub data: String,
+}
+
+impl Received {
+    /// The unfolded value of the first header `name`.
+    pub fn header(&self, name: &str) -> Option<String> {
+        let head = self.data.split("\r\n\r\n").next().unwrap_or("");
+        let mut found: Option<String> = None;
+        for line in head.split("\r\n") {
+            let continuation = line.starts_with([' ', '\t']);
+            match (&mut found, continuation) {
+                (Some(v), true) => {
+                    v.push(' ');
+                    v.push_str(line.trim());
+                }
+                (Some(_), false) => break,
+                (None, false) => {
+                    if let Some((n, v)) = line.split_once(':') {
+                        if n.eq_ignore_ascii_case(name) {
+                            found = Some(v.trim().to_string());
+                        }
+                    }
+                }
+                (None, true) => {}
+            }
+        }
+        found
+    }
+}
+
+/// The aiosmtpd server of `tests/support/smtp_server.py`.
+pub struct SmtpServer {
+    pub port: u16,
+    child: Child,
+    out: PathBuf,
+    _dir: TempDir,
+}
+
+impl SmtpServer {
+    pub fn start(extra: &[&str]) -> SmtpServer {
+        let dir = TempDir::new();
+        let out = dir.path().join("mails.jsonl");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/smtp_server.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .arg("--out")
+            .arg(&out)
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("python3 with aiosmtpd (scripts/test installs it)");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .expect("read port");
+        let port = line
+            .trim()
+            .strip_prefix("PORT ")
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("SMTP server did not start: {line:?}"));
+        SmtpServer {
+            port,
+            child,
+            out,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("smtp://127.0.0.1:{}", self.port)
+    }
+
+    fn read(path: &Path) -> Vec<Received> {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_str(l).expect("server record"))
+            .collect()
+    }
+
+    /// Mails the server accepted.
+    pub fn received(&self) -> Vec<Received> {
+        Self::read(&self.out)
+    }
+
+    /// Every transaction that reached end of data, accepted or not.
+    pub fn attempts(&self) -> Vec<Received> {
+        Self::read(&self.out.with_extension("jsonl.attempts"))
+    }
+}
+
+impl Drop for SmtpServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A directory removed on drop.
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    pub fn new() -> TempDir {
+        let path = std::env::temp_dir().join(format!("tablemail-test-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&path).unwrap();
+        TempDir(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Settings for a test worker: this database, this relay, short timings.
+pub fn settings(db: &TestDb, transport_url: &str) -> Settings {
+    let mut env = db.env();
+    env.push(("TABLEMAIL__TRANSPORT__URL".into(), transport_url.into()));
+    env.push(("TABLEMAIL__DEFAULTS__FROM_ADDRESS".into(), "shop@example.com".into()));
+    env.push(("TABLEMAIL__WORKER__RETRY_BASE".into(), "50ms".into()));
+    env.push(("TABLEMAIL__WORKER__RETRY_MAX".into(), "200ms".into()));
+    env.push(("TABLEMAIL__TRANSPORT__TIMEOUT".into(), "5s".into()));
+    env.push(("TABLEMAIL__TRANSPORT__DATA_TIMEOUT".into(), "5s".into()));
+    Settings::load_from(None, env).expect("test settings")
+}
+
+pub fn worker(db: &TestDb, settings: &Settings) -> Arc<Worker> {
+    let transport = commands::build_transport(settings).expect("transport");
+    Worker::new(
+        db.store.clone(),
+        Arc::new(transport),
+        settings.worker.clone(),
+        settings.retention.clone(),
+        commands::message_defaults(settings).expect("defaults"),
+        "test.example".into(),
+    )
+}
+
+/// Polls `check` until it returns true, failing the test after `limit`.
+pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if check().await {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {limit:?} waiting for: {what}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A mail to `to` with a subject, for tests that do not care about the rest.
+pub fn mail(to: &str, subject: &str) -> NewMail {
+    NewMail {
+        to_address: to.into(),
+        subject: Some(subject.into()),
+        body: Some(format!("Body of {subject}")),
+        ..NewMail::default()
+    }
+}
+
+/// The binary under test.
+pub fn tablemail() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tablemail"));
+    cmd.env_remove("RUST_LOG");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("TABLEMAIL__") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd
+}

@@ -1,0 +1,152 @@
+"""A real SMTP server (aiosmtpd) for tablemail's tests.
+
+Every accepted mail is appended as one JSON line to --out:
+{"mail_from": ..., "rcpt_tos": [...], "data": "..."}; every transaction that
+reached the end of data, accepted or not, is appended to --out + ".attempts".
+
+Faults are chosen per mail by the local part of a recipient, so one server
+serves every case of a test:
+  rcpt451-*   RCPT is answered 451        rcpt550-*   RCPT is answered 550
+  data451-*   end of data answered 451    data554-*   end of data answered 554
+  flaky-*     end of data answered 451 the first time a Message-ID is seen
+  dropdot-*   the connection is closed after end of data, with no reply
+              (the mail is recorded as received: the relay "has" it)
+  slow-*      the reply to end of data waits --slow seconds
+Server-wide options: --auth USER:PASS (AUTH required), --tls CERT KEY (offer
+STARTTLS), --implicit-tls CERT KEY (TLS from the first byte).
+
+Prints "PORT <n>" on stdout once it listens.
+"""
+
+import argparse
+import asyncio
+import json
+import ssl
+import sys
+
+from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
+
+
+def rule_of(rcpts):
+    for r in rcpts:
+        local = r.split("@", 1)[0].lower()
+        for prefix in ("rcpt451", "rcpt550", "data451", "data554", "flaky", "dropdot", "slow"):
+            if local.startswith(prefix):
+                return prefix
+    return None
+
+
+class Recorder:
+    def __init__(self, out, slow):
+        self.out = out
+        self.slow = slow
+        self.seen_ids = set()
+
+    def append(self, path, envelope):
+        record = {
+            "mail_from": envelope.mail_from,
+            "rcpt_tos": list(envelope.rcpt_tos),
+            "data": envelope.original_content.decode("utf-8", "replace"),
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
+        local = address.split("@", 1)[0].lower()
+        if local.startswith("rcpt451"):
+            return "451 4.3.0 Mailbox busy, try later"
+        if local.startswith("rcpt550"):
+            return "550 5.1.1 <%s>: Recipient address rejected: User unknown" % address
+        envelope.rcpt_tos.append(address)
+        return "250 OK"
+
+    async def handle_DATA(self, server, session, envelope):
+        self.append(self.out + ".attempts", envelope)
+        rule = rule_of(envelope.rcpt_tos)
+        if rule == "data451":
+            return "451 4.3.0 Queue full, try later"
+        if rule == "data554":
+            return "554 5.7.1 Message rejected as spam"
+        if rule == "flaky":
+            mid = message_id(envelope.original_content)
+            if mid not in self.seen_ids:
+                self.seen_ids.add(mid)
+                return "451 4.3.0 Greylisted, come back later"
+        if rule == "slow":
+            await asyncio.sleep(self.slow)
+        self.append(self.out, envelope)
+        if rule == "dropdot":
+            server.transport.close()
+            return None
+        return "250 2.0.0 Ok: queued"
+
+
+def message_id(content):
+    for line in content.decode("utf-8", "replace").split("\r\n"):
+        if line.lower().startswith("message-id:"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+class DroppingSMTP(SMTP):
+    """Lets a handler close the connection without a reply (None)."""
+
+    async def push(self, status):
+        if status is None:
+            return
+        await super().push(status)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--slow", type=float, default=5.0)
+    p.add_argument("--auth")
+    p.add_argument("--tls", nargs=2)
+    p.add_argument("--implicit-tls", nargs=2)
+    args = p.parse_args()
+
+    recorder = Recorder(args.out, args.slow)
+    open(args.out, "a").close()
+    open(args.out + ".attempts", "a").close()
+
+    kwargs = {"hostname": "testrelay.example", "enable_SMTPUTF8": True}
+    if args.tls:
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.load_cert_chain(*args.tls)
+        kwargs["tls_context"] = ctx
+        kwargs["require_starttls"] = True
+    if args.auth:
+        user, password = args.auth.split(":", 1)
+
+        def check(server, session, envelope, mechanism, auth_data):
+            ok = isinstance(auth_data, LoginPassword) and (
+                auth_data.login.decode() == user and auth_data.password.decode() == password
+            )
+            return AuthResult(success=ok)
+
+        kwargs["authenticator"] = check
+        kwargs["auth_required"] = True
+        kwargs["auth_require_tls"] = bool(args.tls or args.implicit_tls)
+
+    server_ssl = None
+    if args.implicit_tls:
+        server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_ssl.load_cert_chain(*args.implicit_tls)
+
+    async def serve():
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: DroppingSMTP(recorder, **kwargs), "127.0.0.1", args.port, ssl=server_ssl
+        )
+        port = server.sockets[0].getsockname()[1]
+        print("PORT %d" % port, flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
