@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "tablemail", version, about = "Sends the mails that applications insert into a database table")]
+#[command(
+    name = "tablemail",
+    version,
+    about = "Sends the mails that applications insert into a database table"
+)]
 pub struct Cli {
     /// Configuration file (TOML); default /etc/tablemail/tablemail.toml when present.
     #[arg(long, global = true, value_name = "FILE")]
@@ -22,7 +26,7 @@ pub enum Command {
     /// Apply pending migrations and exit.
     Migrate,
     /// Insert mails: one from flags, or many as JSON lines on stdin (--jsonl).
-    Enqueue(EnqueueArgs),
+    Enqueue(Box<EnqueueArgs>),
     /// Show queue depth, age, stale locks and recent failures.
     Status {
         /// Print one JSON object.

@@ -46,7 +46,7 @@ pub async fn execute(command: Command, settings: Settings) -> ExitCode {
     let result = match command {
         Command::Run => run(&settings).await,
         Command::Migrate => migrate(&settings).await,
-        Command::Enqueue(args) => enqueue(&settings, args).await,
+        Command::Enqueue(args) => enqueue(&settings, *args).await,
         Command::Status { json } => status(&settings, json).await,
         Command::Retry(args) => retry_failed(&settings, args).await,
         Command::Cancel { id } => cancel(&settings, id).await,
@@ -111,7 +111,8 @@ async fn wait_for_database(store: &Arc<dyn Store>, cancel: &CancellationToken) -
             Ok(()) => return true,
             Err(e) => {
                 failures += 1;
-                let pause = retry::relay_pause(failures, retry::jitter()).min(Duration::from_secs(30));
+                let pause =
+                    retry::relay_pause(failures, retry::jitter()).min(Duration::from_secs(30));
                 tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "database unavailable");
                 tokio::select! {
                     _ = cancel.cancelled() => return false,
@@ -195,7 +196,9 @@ fn parse_send_at(s: &str) -> Result<DateTime<Utc>> {
         return Ok(t.with_timezone(&Utc));
     }
     let delay = humantime::parse_duration(s).map_err(|_| {
-        CommandError::Usage(format!("--send-at `{s}`: expected an RFC 3339 time or a delay such as 10m"))
+        CommandError::Usage(format!(
+            "--send-at `{s}`: expected an RFC 3339 time or a delay such as 10m"
+        ))
     })?;
     let delay = chrono::Duration::from_std(delay)
         .map_err(|_| CommandError::Usage(format!("--send-at `{s}`: too far away")))?;
@@ -264,10 +267,20 @@ async fn status(settings: &Settings, json: bool) -> Result<()> {
             .find(|c| c.status == s)
             .map_or(0, |c| c.count)
     };
-    for s in ["queued", "sending", "sent", "failed", "unknown", "cancelled"] {
+    for s in [
+        "queued",
+        "sending",
+        "sent",
+        "failed",
+        "unknown",
+        "cancelled",
+    ] {
         let note = match s {
             "queued" => match stats.oldest_due_age_seconds {
-                Some(age) => format!("oldest due for {}", humantime::format_duration(Duration::from_secs(age.max(0.0) as u64))),
+                Some(age) => format!(
+                    "oldest due for {}",
+                    humantime::format_duration(Duration::from_secs(age.max(0.0) as u64))
+                ),
                 None => "nothing due".into(),
             },
             "sending" => format!("{} stale locks", stats.stale_locks),
@@ -308,7 +321,9 @@ async fn retry_failed(settings: &Settings, args: RetryArgs) -> Result<()> {
     println!("{n} mails queued again");
     if n == 0 {
         if let RetrySelection::Id(id) = which {
-            return Err(CommandError::Runtime(format!("mail {id} is not failed or unknown")));
+            return Err(CommandError::Runtime(format!(
+                "mail {id} is not failed or unknown"
+            )));
         }
     }
     Ok(())
@@ -348,10 +363,16 @@ async fn check(settings: &Settings) -> Result<()> {
         Ok(()) => match store.stats(settings.worker.lock_timeout).await {
             Ok(stats) => {
                 let total: i64 = stats.counts.iter().map(|c| c.count).sum();
-                println!("database: {} reachable, mail_queue holds {total} rows", store.backend());
+                println!(
+                    "database: {} reachable, mail_queue holds {total} rows",
+                    store.backend()
+                );
             }
             Err(e) => {
-                println!("database: {} reachable, but mail_queue is not usable: {e}", store.backend());
+                println!(
+                    "database: {} reachable, but mail_queue is not usable: {e}",
+                    store.backend()
+                );
                 problems.push("mail_queue (run `tablemail migrate`)");
             }
         },
@@ -370,6 +391,9 @@ async fn check(settings: &Settings) -> Result<()> {
     if problems.is_empty() {
         Ok(())
     } else {
-        Err(CommandError::Runtime(format!("check failed: {}", problems.join(", "))))
+        Err(CommandError::Runtime(format!(
+            "check failed: {}",
+            problems.join(", ")
+        )))
     }
 }

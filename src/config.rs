@@ -224,9 +224,7 @@ impl FromStr for ByteSize {
 
     fn from_str(s: &str) -> Result<Self, String> {
         let s = s.trim();
-        let split = s
-            .find(|c: char| !c.is_ascii_digit())
-            .unwrap_or(s.len());
+        let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (digits, unit) = s.split_at(split);
         let n: u64 = digits
             .parse()
@@ -291,14 +289,12 @@ impl Settings {
                         path.display()
                     )));
                 }
-                builder = builder.add_source(
-                    config::File::from(path).format(config::FileFormat::Toml),
-                );
+                builder =
+                    builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
             }
             None if system.exists() => {
-                builder = builder.add_source(
-                    config::File::from(system).format(config::FileFormat::Toml),
-                );
+                builder =
+                    builder.add_source(config::File::from(system).format(config::FileFormat::Toml));
             }
             None => {}
         }

@@ -270,11 +270,15 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
 /// sends it, so `tablemail enqueue` refuses what could never go out.
 pub fn check_new(new: &NewMail, defaults: &MessageDefaults) -> Result<(), MailError> {
     if new.attempts_remaining.is_some_and(|a| a < 1) {
-        return Err(MailError::Field("attempts_remaining must be at least 1".into()));
+        return Err(MailError::Field(
+            "attempts_remaining must be at least 1".into(),
+        ));
     }
     if let Some(id) = &new.message_id {
         if !(id.starts_with('<') && id.ends_with('>') && id.contains('@')) {
-            return Err(MailError::Field("message_id must look like <id@domain>".into()));
+            return Err(MailError::Field(
+                "message_id must look like <id@domain>".into(),
+            ));
         }
     }
     let preview = QueuedMail {
@@ -311,7 +315,11 @@ pub fn local_hostname() -> String {
         .ok()
         .or_else(|| std::env::var("HOSTNAME").ok())
         .map(|h| h.trim().to_string())
-        .filter(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'))
+        .filter(|h| {
+            !h.is_empty()
+                && h.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+        })
         .unwrap_or_else(|| "localhost".into())
 }
 
@@ -373,37 +381,61 @@ mod tests {
     fn refuses_bad_input_without_sending() {
         let mut r = row();
         r.subject = "Hi\r\nBcc: victim@example.com".into();
-        assert!(matches!(prepare(&r, &defaults()), Err(MailError::LineBreak { .. })));
+        assert!(matches!(
+            prepare(&r, &defaults()),
+            Err(MailError::LineBreak { .. })
+        ));
 
         let mut r = row();
         r.to_address = "not an address".into();
-        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidAddress { .. })));
+        assert!(matches!(
+            prepare(&r, &defaults()),
+            Err(MailError::InvalidAddress { .. })
+        ));
 
         let mut r = row();
         r.to_address = "a@example.com, ???".into();
-        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidAddress { .. })));
+        assert!(matches!(
+            prepare(&r, &defaults()),
+            Err(MailError::InvalidAddress { .. })
+        ));
 
         let mut r = row();
         r.to_address = " ".into();
         r.cc = None;
         r.bcc = None;
-        assert_eq!(prepare(&r, &defaults()).unwrap_err(), MailError::NoRecipient);
+        assert_eq!(
+            prepare(&r, &defaults()).unwrap_err(),
+            MailError::NoRecipient
+        );
 
         let mut r = row();
         r.headers = Some(r#"{"Bad Name":"x"}"#.into());
-        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidHeader { .. })));
+        assert!(matches!(
+            prepare(&r, &defaults()),
+            Err(MailError::InvalidHeader { .. })
+        ));
 
         let mut r = row();
         r.headers = Some(r#"{"X-Ok":"a\r\nBcc: b@example.com"}"#.into());
-        assert!(matches!(prepare(&r, &defaults()), Err(MailError::LineBreak { .. })));
+        assert!(matches!(
+            prepare(&r, &defaults()),
+            Err(MailError::LineBreak { .. })
+        ));
 
         let mut r = row();
         r.headers = Some(r#"{"Subject":"other"}"#.into());
-        assert!(matches!(prepare(&r, &defaults()), Err(MailError::InvalidHeader { .. })));
+        assert!(matches!(
+            prepare(&r, &defaults()),
+            Err(MailError::InvalidHeader { .. })
+        ));
 
         let mut r = row();
         r.body = Some("x".repeat(2_000_000));
-        assert!(matches!(prepare(&r, &defaults()), Err(MailError::TooLarge { .. })));
+        assert!(matches!(
+            prepare(&r, &defaults()),
+            Err(MailError::TooLarge { .. })
+        ));
 
         let mut r = row();
         r.from_address = None;

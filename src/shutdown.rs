@@ -16,8 +16,10 @@ pub fn on_signal() -> CancellationToken {
 
 async fn wait_for_signal() {
     use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt()))
-    else {
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
         // Without signal handlers the daemon can only be killed; say so.
         tracing::error!("cannot install signal handlers");
         return std::future::pending().await;

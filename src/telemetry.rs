@@ -15,7 +15,11 @@ pub fn init(settings: &LogSettings) {
     let filter = EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| EnvFilter::new(&directives))
         .add_directive("lettre=info".parse().expect("valid directive"))
-        .add_directive("sqlx::postgres::notice=warn".parse().expect("valid directive"));
+        .add_directive(
+            "sqlx::postgres::notice=warn"
+                .parse()
+                .expect("valid directive"),
+        );
     let result = match settings.format {
         LogFormat::Json => fmt()
             .json()

@@ -471,7 +471,11 @@ impl SmtpPool {
                 .await
                 .map_err(|e| {
                     let code = e.code();
-                    down(format!("STARTTLS with {addr}: {e}"), code, code.is_none_or(|c| c >= 500))
+                    down(
+                        format!("STARTTLS with {addr}: {e}"),
+                        code,
+                        code.is_none_or(|c| c >= 500),
+                    )
                 })?;
         }
         if let Some(credentials) = &self.credentials {
@@ -497,7 +501,8 @@ impl SmtpPool {
         let mut params = Vec::new();
         let info = conn.conn.server_info();
         let ascii = |a: &lettre::Address| AsRef::<str>::as_ref(a).is_ascii();
-        let non_ascii = envelope.from().is_some_and(|a| !ascii(a)) || !envelope.to().iter().all(ascii);
+        let non_ascii =
+            envelope.from().is_some_and(|a| !ascii(a)) || !envelope.to().iter().all(ascii);
         if non_ascii && info.supports_feature(Extension::SmtpUtfEight) {
             params.push(MailParameter::SmtpUtfEight);
         }
@@ -505,12 +510,21 @@ impl SmtpPool {
             params.push(MailParameter::Body(MailBodyParameter::EightBitMime));
         }
         let mail_from = Mail::new(envelope.from().cloned(), params);
-        step(Stage::MailFrom, timed(self.timeout, conn.conn.command(mail_from)).await)?;
+        step(
+            Stage::MailFrom,
+            timed(self.timeout, conn.conn.command(mail_from)).await,
+        )?;
         for rcpt in envelope.to() {
             let command = Rcpt::new(rcpt.clone(), vec![]);
-            step(Stage::RcptTo, timed(self.timeout, conn.conn.command(command)).await)?;
+            step(
+                Stage::RcptTo,
+                timed(self.timeout, conn.conn.command(command)).await,
+            )?;
         }
-        step(Stage::Data, timed(self.timeout, conn.conn.command(Data)).await)?;
+        step(
+            Stage::Data,
+            timed(self.timeout, conn.conn.command(Data)).await,
+        )?;
         let reads_before = conn.reads.load(Ordering::Relaxed);
         let sent = timed(self.data_timeout, conn.conn.message(&mail.bytes)).await;
         match sent {
@@ -562,7 +576,10 @@ fn classify(f: &TxFailure) -> SendError {
             reason: format!("no reply after end of data: {}", f.detail),
         },
         None => SendError::Transient {
-            reason: format!("{}: connection lost before end of data: {}", f.stage, f.detail),
+            reason: format!(
+                "{}: connection lost before end of data: {}",
+                f.stage, f.detail
+            ),
             code: None,
         },
     }
@@ -606,7 +623,9 @@ impl fmt::Display for StepError {
                 Some((code, text)) => write!(f, "{code} {text}"),
                 None => write!(f, "{e}"),
             },
-            StepError::Timeout(d) => write!(f, "timed out after {}", humantime::format_duration(*d)),
+            StepError::Timeout(d) => {
+                write!(f, "timed out after {}", humantime::format_duration(*d))
+            }
         }
     }
 }
@@ -803,19 +822,31 @@ mod tests {
     fn classifies_by_stage_and_reply() {
         assert!(matches!(
             tx(Stage::RcptTo, Some((451, "try later")), false),
-            SendError::Transient { code: Some(451), .. }
+            SendError::Transient {
+                code: Some(451),
+                ..
+            }
         ));
         assert!(matches!(
             tx(Stage::RcptTo, Some((550, "no such user")), false),
-            SendError::Permanent { code: Some(550), .. }
+            SendError::Permanent {
+                code: Some(550),
+                ..
+            }
         ));
         assert!(matches!(
             tx(Stage::EndOfData, Some((554, "spam")), true),
-            SendError::Permanent { code: Some(554), .. }
+            SendError::Permanent {
+                code: Some(554),
+                ..
+            }
         ));
         assert!(matches!(
             tx(Stage::MailFrom, Some((421, "closing")), false),
-            SendError::RelayDown { code: Some(421), .. }
+            SendError::RelayDown {
+                code: Some(421),
+                ..
+            }
         ));
         assert!(matches!(
             tx(Stage::EndOfData, None, true),

@@ -460,7 +460,8 @@ impl Worker {
                 }
                 Err(e) => {
                     db_failures += 1;
-                    let pause = retry::relay_pause(db_failures, retry::jitter()).min(Duration::from_secs(30));
+                    let pause = retry::relay_pause(db_failures, retry::jitter())
+                        .min(Duration::from_secs(30));
                     tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "database unavailable");
                     drop(permits);
                     tokio::select! {
@@ -526,7 +527,8 @@ impl Worker {
             let mut failures = 0u32;
             while let Err(e) = self.commit(&outcomes).await {
                 failures += 1;
-                let pause = retry::relay_pause(failures, retry::jitter()).min(Duration::from_secs(10));
+                let pause =
+                    retry::relay_pause(failures, retry::jitter()).min(Duration::from_secs(10));
                 tracing::error!(error = %e, rows = outcomes.len(), retry_in_ms = pause.as_millis() as u64,
                     "database unavailable: outcome not written yet");
                 tokio::time::sleep(pause).await;
@@ -554,10 +556,15 @@ impl Worker {
     /// Releases stale locks of dead workers and purges finished rows.
     async fn sweep(self: Arc<Self>, stop: CancellationToken) {
         const PURGE_BATCH: usize = 1000;
-        let every = (self.settings.lock_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
+        let every =
+            (self.settings.lock_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
         let mut last_purge: Option<Instant> = None;
         loop {
-            match self.store.release_stale_locks(self.settings.lock_timeout).await {
+            match self
+                .store
+                .release_stale_locks(self.settings.lock_timeout)
+                .await
+            {
                 Ok(rows) if !rows.is_empty() => {
                     let requeued = rows.iter().filter(|r| r.requeued).count();
                     let ids: Vec<i64> = rows.iter().map(|r| r.id).collect();
@@ -624,7 +631,11 @@ impl Worker {
         for attempt in 1..=5u32 {
             match self.store.finalize(&writes).await {
                 Ok(done) => {
-                    tracing::info!(count = done.len(), outcome = "released", "unsent mails released");
+                    tracing::info!(
+                        count = done.len(),
+                        outcome = "released",
+                        "unsent mails released"
+                    );
                     self.held.remove(rows.iter().map(|(id, _)| *id));
                     return;
                 }
@@ -645,7 +656,12 @@ fn log_outcome(o: &Outcome, written: bool) {
     let id = o.write.id;
     let lock = o.write.lock.to_string();
     if !written {
-        tracing::warn!(mail_id = id, lock, attempt = o.attempt, "mail lock lost: outcome not written");
+        tracing::warn!(
+            mail_id = id,
+            lock,
+            attempt = o.attempt,
+            "mail lock lost: outcome not written"
+        );
         return;
     }
     let code = o.smtp_code;
@@ -654,8 +670,17 @@ fn log_outcome(o: &Outcome, written: bool) {
     match &o.write.action {
         FinalAction::Sent => {
             let reply = o.reply.as_deref().map(redact_addresses);
-            tracing::info!(mail_id = id, lock, attempt = o.attempt, outcome = "sent", smtp_code = code,
-                elapsed_ms = elapsed, domain, reply, "mail sent")
+            tracing::info!(
+                mail_id = id,
+                lock,
+                attempt = o.attempt,
+                outcome = "sent",
+                smtp_code = code,
+                elapsed_ms = elapsed,
+                domain,
+                reply,
+                "mail sent"
+            )
         }
         FinalAction::Retry { delay, error } => {
             let outcome = if o.ambiguous { "ambiguous" } else { "retry" };
@@ -672,7 +697,13 @@ fn log_outcome(o: &Outcome, written: bool) {
                 elapsed_ms = elapsed, domain, error = %redact_addresses(error), "mail held as unknown")
         }
         FinalAction::Release => {
-            tracing::info!(mail_id = id, lock, attempt = o.attempt, outcome = "released", "mail released")
+            tracing::info!(
+                mail_id = id,
+                lock,
+                attempt = o.attempt,
+                outcome = "released",
+                "mail released"
+            )
         }
     }
 }

@@ -77,11 +77,20 @@ async fn delivers_one_correct_message(db: TestDb) {
             "hidden@example.com"
         ]
     );
-    assert_eq!(m.header("From").unwrap(), "\"The Shop\" <orders@shop.example>");
-    assert_eq!(m.header("To").unwrap(), "Ann <ann@example.org>, bob@example.net");
+    assert_eq!(
+        m.header("From").unwrap(),
+        "\"The Shop\" <orders@shop.example>"
+    );
+    assert_eq!(
+        m.header("To").unwrap(),
+        "Ann <ann@example.org>, bob@example.net"
+    );
     assert_eq!(m.header("Cc").unwrap(), "carl@example.com");
     assert_eq!(m.header("Bcc"), None, "Bcc must not be a header");
-    assert!(!m.data.contains("hidden@"), "Bcc address leaked into the message");
+    assert!(
+        !m.data.contains("hidden@"),
+        "Bcc address leaked into the message"
+    );
     assert_eq!(m.header("Reply-To").unwrap(), "help@example.com");
     assert_eq!(m.header("Subject").unwrap(), "Your order 42");
     assert_eq!(m.header("X-Campaign").unwrap(), "spring");
@@ -99,7 +108,10 @@ async fn delivers_one_correct_message(db: TestDb) {
     assert!(!row.locked && row.processed);
     assert_eq!(m.header("Message-ID"), row.message_id);
     let mid = row.message_id.unwrap();
-    assert!(mid.starts_with('<') && mid.ends_with("@test.example>"), "{mid}");
+    assert!(
+        mid.starts_with('<') && mid.ends_with("@test.example>"),
+        "{mid}"
+    );
 }
 
 async fn smallest_sql_insert_is_sent(db: TestDb) {
@@ -112,9 +124,15 @@ async fn smallest_sql_insert_is_sent(db: TestDb) {
     let got = smtp.received();
     assert_eq!(got.len(), 1);
     assert_eq!(got[0].rcpt_tos, ["a@example.com"]);
-    assert_eq!(got[0].mail_from, "shop@example.com", "defaults.from_address");
+    assert_eq!(
+        got[0].mail_from, "shop@example.com",
+        "defaults.from_address"
+    );
     assert!(got[0].data.contains("Hello"));
-    assert_eq!(got[0].header("Content-Type").unwrap(), "text/plain; charset=utf-8");
+    assert_eq!(
+        got[0].header("Content-Type").unwrap(),
+        "text/plain; charset=utf-8"
+    );
 }
 
 async fn message_id_is_stable_across_a_retry(db: TestDb) {
@@ -128,7 +146,10 @@ async fn message_id_is_stable_across_a_retry(db: TestDb) {
     assert_eq!(row.status, "queued");
     assert!(row.scheduled, "backoff puts send_at in the future");
     assert_eq!((row.attempts, row.attempts_remaining), (1, 4));
-    assert!(row.last_error.as_deref().unwrap().contains("451"), "{row:?}");
+    assert!(
+        row.last_error.as_deref().unwrap().contains("451"),
+        "{row:?}"
+    );
     let mid = row.message_id.clone().unwrap();
 
     eventually("the backoff to pass", Duration::from_secs(5), || async {
@@ -153,7 +174,13 @@ async fn priority_order_holds(db: TestDb) {
     s.worker.batch_size = 1;
     s.worker.concurrency = 1;
     let worker = worker(&db, &s);
-    for (subject, priority) in [("p0", 0), ("p5a", 5), ("pminus", -1), ("p10", 10), ("p5b", 5)] {
+    for (subject, priority) in [
+        ("p0", 0),
+        ("p5a", 5),
+        ("pminus", -1),
+        ("p10", 10),
+        ("p5b", 5),
+    ] {
         let mut m = mail("x@example.com", subject);
         m.priority = Some(priority);
         db.enqueue(m).await;
@@ -181,8 +208,10 @@ async fn scheduled_mail_waits_until_due(db: TestDb) {
     assert_eq!((row.status.as_str(), row.attempts), ("queued", 0));
     assert_eq!(smtp.received().len(), 1);
 
-    db.exec(&format!("UPDATE mail_queue SET send_at = now() WHERE id = {later}"))
-        .await;
+    db.exec(&format!(
+        "UPDATE mail_queue SET send_at = now() WHERE id = {later}"
+    ))
+    .await;
     assert_eq!(worker.process_batch().await.unwrap().sent, 1);
     assert_eq!(db.row(later).await.status, "sent");
 }
@@ -200,7 +229,10 @@ async fn transient_reply_backs_off_then_fails_when_exhausted(db: TestDb) {
     assert!(row.scheduled);
     assert_eq!((row.attempts, row.attempts_remaining), (1, 1));
     assert!(
-        row.last_error.as_deref().unwrap().starts_with("RCPT TO: 451"),
+        row.last_error
+            .as_deref()
+            .unwrap()
+            .starts_with("RCPT TO: 451"),
         "{row:?}"
     );
 
@@ -216,13 +248,18 @@ async fn transient_reply_backs_off_then_fails_when_exhausted(db: TestDb) {
 async fn permanent_replies_fail_at_once(db: TestDb) {
     let smtp = SmtpServer::start(&[]);
     let worker = worker(&db, &settings(&db, &smtp.url()));
-    let rcpt = db.enqueue(mail("rcpt550-nobody@example.com", "unknown user")).await;
+    let rcpt = db
+        .enqueue(mail("rcpt550-nobody@example.com", "unknown user"))
+        .await;
     let data = db.enqueue(mail("data554-x@example.com", "spam")).await;
 
     let report = worker.process_batch().await.unwrap();
     assert_eq!(report.failed, 2);
     let row = db.row(rcpt).await;
-    assert_eq!((row.status.as_str(), row.attempts, row.attempts_remaining), ("failed", 1, 4));
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.attempts_remaining),
+        ("failed", 1, 4)
+    );
     let error = row.last_error.unwrap();
     assert!(error.starts_with("RCPT TO: 550 5.1.1"), "{error}");
     let row = db.row(data).await;
@@ -261,13 +298,43 @@ async fn bad_input_fails_without_an_smtp_session(db: TestDb) {
     s.transport.max_message_size = tablemail::config::ByteSize(10_000);
     let worker = worker(&db, &s);
     let cases = [
-        ("'not an address'", "'x'", "NULL", "invalid address in to_address"),
+        (
+            "'not an address'",
+            "'x'",
+            "NULL",
+            "invalid address in to_address",
+        ),
         ("''", "'x'", "NULL", "no recipient"),
-        ("'a@example.com'", "E'Hi\\r\\nBcc: victim@example.com'", "NULL", "CR or LF in subject"),
-        ("'a@example.com'", "'x'", "'{\"Bad Name\": \"v\"}'", "invalid header \"Bad Name\""),
-        ("'a@example.com'", "'x'", "'{\"X-Ok\": \"v\\r\\nBcc: b@example.com\"}'", "CR or LF in header X-Ok"),
-        ("'a@example.com'", "'x'", "'{\"From\": \"boss@example.com\"}'", "invalid header \"From\""),
-        ("'a@example.com, @@'", "'x'", "NULL", "invalid address in to_address"),
+        (
+            "'a@example.com'",
+            "E'Hi\\r\\nBcc: victim@example.com'",
+            "NULL",
+            "CR or LF in subject",
+        ),
+        (
+            "'a@example.com'",
+            "'x'",
+            "'{\"Bad Name\": \"v\"}'",
+            "invalid header \"Bad Name\"",
+        ),
+        (
+            "'a@example.com'",
+            "'x'",
+            "'{\"X-Ok\": \"v\\r\\nBcc: b@example.com\"}'",
+            "CR or LF in header X-Ok",
+        ),
+        (
+            "'a@example.com'",
+            "'x'",
+            "'{\"From\": \"boss@example.com\"}'",
+            "invalid header \"From\"",
+        ),
+        (
+            "'a@example.com, @@'",
+            "'x'",
+            "NULL",
+            "invalid address in to_address",
+        ),
     ];
     for (to, subject, headers, _) in &cases {
         db.exec(&format!(
@@ -287,14 +354,23 @@ async fn bad_input_fails_without_an_smtp_session(db: TestDb) {
     for (row, (_, _, _, expected)) in rows.iter().zip(&cases) {
         assert_eq!(row.status, "failed");
         let error = row.last_error.as_deref().unwrap();
-        assert!(error.starts_with(expected), "{error:?} should start with {expected:?}");
+        assert!(
+            error.starts_with(expected),
+            "{error:?} should start with {expected:?}"
+        );
     }
     let big = rows.last().unwrap();
     assert!(
-        big.last_error.as_deref().unwrap().contains("over transport.max_message_size"),
+        big.last_error
+            .as_deref()
+            .unwrap()
+            .contains("over transport.max_message_size"),
         "{big:?}"
     );
-    assert!(smtp.attempts().is_empty(), "no SMTP transaction for bad input");
+    assert!(
+        smtp.attempts().is_empty(),
+        "no SMTP transaction for bad input"
+    );
 }
 
 async fn many_mails_each_received_exactly_once(db: TestDb) {

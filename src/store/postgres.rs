@@ -35,7 +35,7 @@ impl PgStore {
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(10))
+            .acquire_timeout(Duration::from_secs(5))
             .connect_lazy_with(options);
         Ok(PgStore { pool })
     }
@@ -49,7 +49,9 @@ impl PgStore {
             1,
             Cow::Borrowed("mail_queue"),
             MigrationType::Simple,
-            SqlStr::from_static(include_str!("../../migrations/postgres/0001_mail_queue.sql")),
+            SqlStr::from_static(include_str!(
+                "../../migrations/postgres/0001_mail_queue.sql"
+            )),
             false,
         )];
         let mut migrator = Migrator::with_migrations(migrations);
@@ -200,10 +202,16 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let n = writes.len();
-        let (mut ids, mut locks, mut statuses) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut delays, mut errors, mut refunds) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut ids, mut locks, mut statuses) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut delays, mut errors, mut refunds) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for w in writes {
             let (status, delay_ms, error, refund) = w.action.columns();
             ids.push(w.id);

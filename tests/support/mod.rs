@@ -190,7 +190,11 @@ impl Drop for TestDb {
                 .build()
                 .unwrap();
             rt.block_on(async {
-                if let Ok(admin) = PgPoolOptions::new().max_connections(1).connect(&admin_url).await {
+                if let Ok(admin) = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&admin_url)
+                    .await
+                {
                     let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
                         "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
                     )))
@@ -313,7 +317,8 @@ pub struct TempDir(PathBuf);
 
 impl TempDir {
     pub fn new() -> TempDir {
-        let path = std::env::temp_dir().join(format!("tablemail-test-{}", uuid::Uuid::new_v4().simple()));
+        let path =
+            std::env::temp_dir().join(format!("tablemail-test-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&path).unwrap();
         TempDir(path)
     }
@@ -333,7 +338,10 @@ impl Drop for TempDir {
 pub fn settings(db: &TestDb, transport_url: &str) -> Settings {
     let mut env = db.env();
     env.push(("TABLEMAIL__TRANSPORT__URL".into(), transport_url.into()));
-    env.push(("TABLEMAIL__DEFAULTS__FROM_ADDRESS".into(), "shop@example.com".into()));
+    env.push((
+        "TABLEMAIL__DEFAULTS__FROM_ADDRESS".into(),
+        "shop@example.com".into(),
+    ));
     env.push(("TABLEMAIL__WORKER__RETRY_BASE".into(), "50ms".into()));
     env.push(("TABLEMAIL__WORKER__RETRY_MAX".into(), "200ms".into()));
     env.push(("TABLEMAIL__TRANSPORT__TIMEOUT".into(), "5s".into()));

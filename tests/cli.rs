@@ -1,0 +1,434 @@
+//! The binary as a user runs it: exit codes, printed ids, status, the daemon's
+//! JSON logs and its shutdown on SIGTERM.
+
+mod support;
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    process::{Child, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use support::*;
+
+fn output(cmd: &mut std::process::Command) -> (i32, String, String) {
+    let out = cmd.output().expect("run tablemail");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn bad_configuration_exits_2_naming_the_key() {
+    let (code, _, err) = output(
+        tablemail()
+            .arg("status")
+            .env("TABLEMAIL__WORKER__CONCURENCY", "4"),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("concurency"), "{err}");
+
+    let (code, _, err) = output(
+        tablemail()
+            .arg("status")
+            .env("TABLEMAIL__WORKER__BATCH_SIZE", "lots"),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("batch_size"), "{err}");
+
+    let (code, _, err) = output(
+        tablemail()
+            .arg("check")
+            .env("TABLEMAIL__DATABASE__URL", "redis://localhost"),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(
+        err.contains("database.url") && err.contains("redis"),
+        "{err}"
+    );
+
+    let dir = TempDir::new();
+    let file = dir.path().join("tablemail.toml");
+    std::fs::write(&file, "[worker]\nconcurrency = 4\nbogus = true\n").unwrap();
+    let (code, _, err) = output(tablemail().arg("--config").arg(&file).arg("status"));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("bogus"), "{err}");
+
+    let (code, _, err) =
+        output(tablemail().args(["--config", "/nonexistent/tablemail.toml", "status"]));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("does not exist"), "{err}");
+
+    let (code, _, err) = output(tablemail().arg("frobnicate"));
+    assert_eq!(code, 2, "{err}");
+
+    let (code, _, err) = output(
+        tablemail()
+            .arg("status")
+            .env("TABLEMAIL__TRANSPORT__URL", "smtp://relay:twentyfive"),
+    );
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("transport.url"), "{err}");
+}
+
+#[test]
+fn unreachable_database_is_a_clear_runtime_error() {
+    let (code, _, err) = output(tablemail().arg("status").env(
+        "TABLEMAIL__DATABASE__URL",
+        "postgres://postgres@127.0.0.1:1/nothing",
+    ));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("database"), "{err}");
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_creates_the_contract_table() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    // TestDb migrated already; a second and third run change nothing.
+    for _ in 0..2 {
+        let (code, out, err) = output(tablemail().arg("migrate").envs(db.env()));
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("migrations applied"), "{out}");
+    }
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns WHERE table_name = 'mail_queue' ORDER BY ordinal_position",
+    )
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        columns,
+        [
+            "id",
+            "created_at",
+            "send_at",
+            "priority",
+            "status",
+            "attempts_remaining",
+            "attempts",
+            "thread_lock",
+            "locked_at",
+            "processed_at",
+            "from_name",
+            "from_address",
+            "to_address",
+            "cc",
+            "bcc",
+            "reply_to",
+            "subject",
+            "body",
+            "body_html",
+            "headers",
+            "message_id",
+            "dedupe_key",
+            "last_error"
+        ]
+    );
+    // The checks refuse what the life cycle never produces.
+    let bad =
+        sqlx::query("INSERT INTO mail_queue (to_address, status) VALUES ('a@example.com', 'lost')")
+            .execute(db.pool())
+            .await;
+    assert!(bad.is_err());
+    let bad = sqlx::query(
+        "INSERT INTO mail_queue (to_address, attempts_remaining) VALUES ('a@example.com', 0)",
+    )
+    .execute(db.pool())
+    .await;
+    assert!(bad.is_err());
+}
+
+#[tokio::test]
+async fn enqueue_prints_ids_and_status_counts_them() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let env = || {
+        let mut e = db.env();
+        e.push((
+            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".into(),
+            "shop@example.com".into(),
+        ));
+        e
+    };
+    let (code, out, err) = output(tablemail().envs(env()).args([
+        "enqueue",
+        "--to",
+        "a@example.com",
+        "--subject",
+        "Hi",
+        "--body",
+        "Hello",
+        "--priority",
+        "-3",
+        "--header",
+        "X-Campaign: spring",
+        "--send-at",
+        "1h",
+        "--dedupe-key",
+        "k1",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    let first: i64 = out.trim().parse().expect("an id");
+
+    let mut child = tablemail()
+        .envs(env())
+        .args(["enqueue", "--jsonl"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(
+            concat!(
+                r#"{"to_address": "b@example.com", "subject": "one"}"#, "\n",
+                r#"{"to_address": "c@example.com", "subject": "two", "headers": {"X-A": "1"}, "priority": 2}"#, "\n",
+                "\n",
+                r#"{"to_address": "d@example.com", "subject": "dup", "dedupe_key": "k1"}"#, "\n",
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ids: Vec<i64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.parse().unwrap())
+        .collect();
+    assert_eq!(ids.len(), 3);
+    assert_eq!(ids[2], first, "a taken dedupe_key reports the existing row");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exists already"));
+
+    // Bad input: exit 2, nothing inserted (the whole batch is refused).
+    let mut child = tablemail()
+        .envs(env())
+        .args(["enqueue", "--jsonl"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"{\"to_address\": \"ok@example.com\"}\n{\"to_address\": \"not an address\"}\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("line 2"));
+    for bad in [
+        vec!["enqueue", "--to", "a@example.com", "--subject", "x\r\ny"],
+        vec!["enqueue", "--to", "", "--subject", "nobody"],
+        vec!["enqueue", "--to", "a@example.com", "--header", "NoColon"],
+        vec!["enqueue", "--to", "a@example.com", "--send-at", "whenever"],
+    ] {
+        let (code, _, err) = output(tablemail().envs(env()).args(&bad));
+        assert_eq!(code, 2, "{bad:?}: {err}");
+    }
+    let (code, _, err) =
+        output(
+            tablemail()
+                .envs(db.env())
+                .args(["enqueue", "--to", "a@example.com"]),
+        );
+    assert_eq!(code, 2, "no sender anywhere: {err}");
+    assert!(err.contains("no sender"), "{err}");
+
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM mail_queue").await, 3);
+    let row = sqlx::query_as::<_, (i32, Option<String>, bool)>(
+        "SELECT priority, headers->>'X-Campaign', send_at > now() + interval '50 minutes' FROM mail_queue WHERE id = $1",
+    )
+    .bind(first)
+    .fetch_one(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(row, (-3, Some("spring".into()), true));
+
+    let (code, out, err) = output(tablemail().envs(db.env()).args(["status", "--json"]));
+    assert_eq!(code, 0, "{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["counts"]["queued"], 3);
+    assert!(status["oldest_due_age_seconds"].as_f64().unwrap() >= 0.0);
+    assert_eq!(status["stale_locks"], 0);
+
+    let (code, out, _) = output(tablemail().envs(db.env()).arg("status"));
+    assert_eq!(code, 0);
+    assert!(out.contains("queued") && out.contains("3"), "{out}");
+}
+
+/// The daemon's stdout, collected line by line in the background.
+struct Daemon {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Daemon {
+    fn start(env: Vec<(String, String)>) -> Daemon {
+        let mut child = tablemail()
+            .arg("run")
+            .envs(env)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        Daemon { child, lines }
+    }
+
+    fn logs(&self) -> Vec<serde_json::Value> {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
+            .collect()
+    }
+
+    fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    async fn wait_exit(&mut self, limit: Duration) -> i32 {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code().unwrap_or(-1);
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "daemon did not exit within {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn daemon_env(db: &TestDb, smtp: &SmtpServer) -> Vec<(String, String)> {
+    let mut env = db.env();
+    env.extend([
+        ("TABLEMAIL__TRANSPORT__URL".to_string(), smtp.url()),
+        (
+            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
+            "shop@example.com".to_string(),
+        ),
+        (
+            "TABLEMAIL__WORKER__POLL_INTERVAL".to_string(),
+            "200ms".to_string(),
+        ),
+    ]);
+    env
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_sends_logs_json_and_exits_0_on_sigterm() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&[]);
+    let mut daemon = Daemon::start(daemon_env(&db, &smtp));
+    eventually("the daemon to start", Duration::from_secs(10), || async {
+        daemon
+            .logs()
+            .iter()
+            .any(|l| l["message"] == "worker started")
+    })
+    .await;
+    let mails: Vec<_> = (0..20)
+        .map(|i| mail(&format!("secret.person{i}@example.org"), &format!("m{i}")))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    eventually("20 mails sent", Duration::from_secs(10), || async {
+        db.scalar_i64("SELECT count(*) FROM mail_queue WHERE status = 'sent'")
+            .await
+            == 20
+    })
+    .await;
+    assert_eq!(smtp.received().len(), 20);
+
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+
+    let logs = daemon.logs();
+    let sent: Vec<_> = logs
+        .iter()
+        .filter(|l| l["message"] == "mail sent")
+        .collect();
+    assert_eq!(sent.len(), 20);
+    for l in &sent {
+        for field in [
+            "timestamp",
+            "level",
+            "mail_id",
+            "lock",
+            "attempt",
+            "outcome",
+            "smtp_code",
+            "elapsed_ms",
+        ] {
+            assert!(!l[field].is_null(), "{field} missing in {l}");
+        }
+        assert_eq!(l["outcome"], "sent");
+        assert_eq!(l["smtp_code"], 250);
+        assert_eq!(l["domain"], "example.org");
+    }
+    let all = daemon.lines.lock().unwrap().join("\n");
+    assert!(
+        !all.contains("secret.person"),
+        "a full recipient address was logged"
+    );
+    assert!(!all.contains("Body of"), "a body was logged");
+    assert!(logs.iter().any(|l| l["message"] == "worker stopped"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_the_mail_in_flight_finish() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&["--slow", "1.5"]);
+    let mut daemon = Daemon::start(daemon_env(&db, &smtp));
+    let id = db.enqueue(mail("slow-1@example.com", "slow one")).await;
+    eventually(
+        "the mail to be in flight",
+        Duration::from_secs(10),
+        || async { db.row(id).await.status == "sending" },
+    )
+    .await;
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+    let row = db.row(id).await;
+    assert_eq!(row.status, "sent", "{row:?}");
+    assert_eq!(smtp.received().len(), 1);
+}
