@@ -130,6 +130,16 @@ impl RelayGate {
     pub fn is_up(&self) -> bool {
         self.state.lock().unwrap().failures == 0
     }
+
+    /// How many rows to claim: after the relay was found down, one row probes
+    /// it, so an outage does not claim and release whole batches.
+    fn claim_limit(&self, wanted: usize) -> usize {
+        if self.is_up() {
+            wanted
+        } else {
+            1
+        }
+    }
 }
 
 /// Rows this process holds, by id, with their batch lock. Claims add, commits
@@ -218,7 +228,9 @@ impl Worker {
     /// Claims one batch, sends it (up to `worker.concurrency` at once) and
     /// writes every outcome.
     pub async fn process_batch(self: &Arc<Self>) -> Result<BatchReport, StoreError> {
-        let mails = self.claim(self.settings.batch_size).await?;
+        let mails = self
+            .claim(self.relay.claim_limit(self.settings.batch_size))
+            .await?;
         let mut report = BatchReport {
             claimed: mails.len(),
             ..Default::default()
@@ -383,7 +395,7 @@ impl Worker {
         chores.spawn(self.clone().sweep(background.clone()));
 
         let (results, finalizer_input) = mpsc::unbounded_channel();
-        let finalizer = tokio::spawn(self.clone().finalize_loop(finalizer_input));
+        let mut finalizer = tokio::spawn(self.clone().finalize_loop(finalizer_input));
         let mut sends = JoinSet::new();
         self.claim_loop(&cancel, &results, &mut sends).await;
 
@@ -403,10 +415,22 @@ impl Worker {
             }
         }
         drop(results);
-        let _ = finalizer.await;
+        // The finalizer retries a failing database; give it a bounded time.
+        let committed =
+            tokio::time::timeout_at(deadline + Duration::from_secs(10), &mut finalizer).await;
         background.cancel();
         while chores.join_next().await.is_some() {}
-        self.release_remaining().await;
+        match committed {
+            Ok(_) => self.release_remaining().await,
+            Err(_) => {
+                finalizer.abort();
+                tracing::error!(
+                    rows = self.held.len(),
+                    "database unavailable at shutdown: outcomes not written; \
+                     any daemon releases these rows after worker.lock_timeout"
+                )
+            }
+        }
         self.transport.close().await;
         tracing::info!("worker stopped");
     }
@@ -452,7 +476,7 @@ impl Worker {
                     permits.merge(more);
                 }
             }
-            let want = permits.num_permits();
+            let want = self.relay.claim_limit(permits.num_permits());
             let mails = match self.claim(want).await {
                 Ok(mails) => {
                     db_failures = 0;

@@ -3,12 +3,7 @@
 
 mod support;
 
-use std::{
-    io::{BufRead, BufReader, Write},
-    process::{Child, Stdio},
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{io::Write, process::Stdio, time::Duration};
 
 use support::*;
 
@@ -270,71 +265,6 @@ async fn enqueue_prints_ids_and_status_counts_them() {
     assert!(out.contains("queued") && out.contains("3"), "{out}");
 }
 
-/// The daemon's stdout, collected line by line in the background.
-struct Daemon {
-    child: Child,
-    lines: Arc<Mutex<Vec<String>>>,
-}
-
-impl Daemon {
-    fn start(env: Vec<(String, String)>) -> Daemon {
-        let mut child = tablemail()
-            .arg("run")
-            .envs(env)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = lines.clone();
-        let stdout = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                sink.lock().unwrap().push(line);
-            }
-        });
-        Daemon { child, lines }
-    }
-
-    fn logs(&self) -> Vec<serde_json::Value> {
-        self.lines
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
-            .collect()
-    }
-
-    fn signal(&self, name: &str) {
-        let status = std::process::Command::new("kill")
-            .args([&format!("-{name}"), &self.child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
-    }
-
-    async fn wait_exit(&mut self, limit: Duration) -> i32 {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status.code().unwrap_or(-1);
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "daemon did not exit within {limit:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn daemon_env(db: &TestDb, smtp: &SmtpServer) -> Vec<(String, String)> {
     let mut env = db.env();
     env.extend([
@@ -403,7 +333,7 @@ async fn daemon_sends_logs_json_and_exits_0_on_sigterm() {
         assert_eq!(l["smtp_code"], 250);
         assert_eq!(l["domain"], "example.org");
     }
-    let all = daemon.lines.lock().unwrap().join("\n");
+    let all = daemon.output();
     assert!(
         !all.contains("secret.person"),
         "a full recipient address was logged"

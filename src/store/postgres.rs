@@ -407,12 +407,12 @@ async fn listen(pool: &PgPool, wake: &Notify, cancel: &CancellationToken) -> Res
     loop {
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
-            received = listener.try_recv() => match received? {
-                Some(_) => wake.notify_one(),
-                // The connection dropped and was re-established: a
-                // notification may have been missed.
-                None => wake.notify_one(),
-            },
+            // `None` means the connection dropped and was re-established: a
+            // notification may have been missed, so wake up either way.
+            received = listener.try_recv() => {
+                received?;
+                wake.notify_one();
+            }
         }
     }
 }

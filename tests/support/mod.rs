@@ -7,7 +7,7 @@ use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::Arc,
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -389,6 +389,76 @@ pub fn mail(to: &str, subject: &str) -> NewMail {
     }
 }
 
+/// The daemon's stdout, collected line by line in the background.
+pub struct Daemon {
+    pub child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Daemon {
+    pub fn start(env: Vec<(String, String)>) -> Daemon {
+        let mut child = tablemail()
+            .arg("run")
+            .envs(env)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        let stdout = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        Daemon { child, lines }
+    }
+
+    /// Everything the daemon printed so far.
+    pub fn output(&self) -> String {
+        self.lines.lock().unwrap().join("\n")
+    }
+
+    pub fn logs(&self) -> Vec<serde_json::Value> {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
+            .collect()
+    }
+
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{name}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    pub async fn wait_exit(&mut self, limit: Duration) -> i32 {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.code().unwrap_or(-1);
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "daemon did not exit within {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// The binary under test.
 pub fn tablemail() -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_tablemail"));
@@ -399,4 +469,184 @@ pub fn tablemail() -> Command {
         }
     }
     cmd
+}
+
+/// A TCP port nothing listens on right now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+fn smtp_sink_path() -> PathBuf {
+    ["/usr/sbin/smtp-sink", "/usr/bin/smtp-sink"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .expect("smtp-sink (Debian package postfix; scripts/test installs it)")
+}
+
+/// A mail that Postfix's smtp-sink captured.
+#[derive(Debug, Clone)]
+pub struct SinkMail {
+    pub mail_from: String,
+    pub rcpt_tos: Vec<String>,
+    pub message_id: Option<String>,
+    pub subject: Option<String>,
+}
+
+/// Postfix's `smtp-sink`, capturing every transaction to one dump file.
+/// Its fault flags (`-r -f -q -Q -W …`) are passed through.
+pub struct SmtpSink {
+    pub port: u16,
+    child: Child,
+    dump: PathBuf,
+    _dir: TempDir,
+}
+
+const SINK_MARK: &str = "==tablemail-sink==";
+
+impl SmtpSink {
+    pub fn start(flags: &[&str]) -> SmtpSink {
+        Self::start_on(free_port(), flags)
+    }
+
+    pub fn start_on(port: u16, flags: &[&str]) -> SmtpSink {
+        let dir = TempDir::new();
+        let dump = dir.path().join("dump");
+        let mut cmd = Command::new(smtp_sink_path());
+        if running_as_root() {
+            // smtp-sink drops privileges; let it write the dump.
+            let _ = Command::new("chmod").arg("777").arg(dir.path()).status();
+            cmd.args(["-u", "nobody"]);
+        }
+        let child = cmd
+            .arg("-D")
+            .arg(&dump)
+            .args(["-S", &format!("{SINK_MARK}\\n")])
+            .args(flags)
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("256")
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start smtp-sink");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "smtp-sink did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        SmtpSink {
+            port,
+            child,
+            dump,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("smtp://127.0.0.1:{}", self.port)
+    }
+
+    /// Every transaction captured (smtp-sink writes it as it receives it).
+    pub fn mails(&self) -> Vec<SinkMail> {
+        let text = std::fs::read_to_string(&self.dump).unwrap_or_default();
+        text.split(SINK_MARK)
+            .filter(|chunk| chunk.contains("X-Mail-Args:"))
+            .map(|chunk| {
+                let mut mail = SinkMail {
+                    mail_from: String::new(),
+                    rcpt_tos: Vec::new(),
+                    message_id: None,
+                    subject: None,
+                };
+                for line in chunk.trim_start().lines() {
+                    if line.is_empty() {
+                        break;
+                    }
+                    let value = |prefix: &str| {
+                        line.strip_prefix(prefix).map(|v| {
+                            v.trim()
+                                .trim_start_matches('<')
+                                .trim_end_matches('>')
+                                .to_string()
+                        })
+                    };
+                    if let Some(v) = value("X-Mail-Args:") {
+                        mail.mail_from = v
+                            .split_whitespace()
+                            .next()
+                            .unwrap_or("")
+                            .trim_end_matches('>')
+                            .to_string();
+                    } else if let Some(v) = value("X-Rcpt-Args:") {
+                        mail.rcpt_tos.push(v);
+                    } else if let Some(v) = line.strip_prefix("Message-ID:") {
+                        mail.message_id = Some(v.trim().to_string());
+                    } else if let Some(v) = line.strip_prefix("Subject:") {
+                        mail.subject = Some(v.trim().to_string());
+                    }
+                }
+                mail
+            })
+            .collect()
+    }
+
+    /// Stops the sink (the port closes).
+    pub fn stop(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for SmtpSink {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A self-signed certificate for `localhost` (cert, key), made with openssl.
+pub fn self_signed_cert(dir: &Path) -> (PathBuf, PathBuf) {
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    let status = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "2",
+        ])
+        .args([
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ])
+        .arg("-keyout")
+        .arg(&key)
+        .arg("-out")
+        .arg(&cert)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .expect("openssl");
+    assert!(status.success(), "openssl could not make a certificate");
+    (cert, key)
 }

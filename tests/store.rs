@@ -1,0 +1,464 @@
+//! The Store contract, the same for every backend: claim order and size,
+//! scheduling, the attempt spent at claim, fencing, lock renewal, stale-lock
+//! release, dedupe, status counts, retry, cancel and purge.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+use tablemail::store::{
+    BatchLock, Claim, FinalAction, Finalize, NewMail, QueuedMail, RetrySelection,
+};
+
+macro_rules! suite {
+    ($($case:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if let Some(db) = crate::support::TestDb::postgres().await {
+                        super::$case(db).await;
+                    }
+                }
+            )*
+        }
+    };
+}
+
+suite!(
+    claims_by_priority_then_send_at_then_id,
+    claims_only_due_rows_and_spends_the_attempt,
+    claims_never_overlap,
+    fencing_protects_the_new_owner,
+    renewal_keeps_locks_fresh,
+    stale_locks_are_released,
+    finalize_writes_each_outcome,
+    dedupe_reports_the_existing_row,
+    status_counts_and_ages,
+    retry_cancel_and_purge,
+);
+
+fn claim(limit: usize) -> Claim<'static> {
+    Claim {
+        lock: BatchLock::new(),
+        limit,
+        max_age: Duration::from_secs(86400),
+        message_id_domain: "test.example",
+    }
+}
+
+async fn claimed(db: &TestDb, limit: usize) -> Vec<QueuedMail> {
+    db.store.claim_batch(&claim(limit)).await.unwrap()
+}
+
+fn finalize(m: &QueuedMail, action: FinalAction) -> Finalize {
+    Finalize {
+        id: m.id,
+        lock: m.lock,
+        action,
+    }
+}
+
+async fn claims_by_priority_then_send_at_then_id(db: TestDb) {
+    let past = |mins: i64| Some(chrono::Utc::now() - chrono::Duration::minutes(mins));
+    let specs = [
+        (0, past(1)),
+        (5, past(1)),
+        (5, past(10)),
+        (9, past(1)),
+        (0, past(30)),
+        (5, past(10)),
+    ];
+    let mut ids = Vec::new();
+    for (priority, send_at) in specs {
+        let mut m = mail("a@example.com", "x");
+        m.priority = Some(priority);
+        m.send_at = send_at;
+        ids.push(db.enqueue(m).await);
+    }
+    let mut order = Vec::new();
+    loop {
+        let batch = claimed(&db, 1).await;
+        if batch.is_empty() {
+            break;
+        }
+        order.push(batch[0].id);
+    }
+    assert_eq!(order, [ids[3], ids[2], ids[5], ids[1], ids[4], ids[0]]);
+}
+
+async fn claims_only_due_rows_and_spends_the_attempt(db: TestDb) {
+    let due = db.enqueue(mail("a@example.com", "due")).await;
+    let mut later = mail("b@example.com", "later");
+    later.send_at = Some(chrono::Utc::now() + chrono::Duration::minutes(5));
+    let later = db.enqueue(later).await;
+    let batch = claimed(&db, 10).await;
+    assert_eq!(batch.len(), 1);
+    let m = &batch[0];
+    assert_eq!(m.id, due);
+    assert_eq!((m.attempts, m.attempts_remaining), (1, 4));
+    assert!(m.message_id.starts_with('<') && m.message_id.ends_with("@test.example>"));
+    let row = db.row(due).await;
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.attempts_remaining),
+        ("sending", 1, 4)
+    );
+    assert!(row.locked);
+    assert_eq!(row.message_id.as_deref(), Some(m.message_id.as_str()));
+    let row = db.row(later).await;
+    assert_eq!((row.status.as_str(), row.attempts), ("queued", 0));
+    assert!(
+        claimed(&db, 10).await.is_empty(),
+        "a sending row is not claimed again"
+    );
+}
+
+async fn claims_never_overlap(db: TestDb) {
+    let mails: Vec<NewMail> = (0..500)
+        .map(|i| mail(&format!("u{i}@example.com"), "x"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let store = db.store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut mine = Vec::new();
+            loop {
+                let batch = store.claim_batch(&claim(7)).await.unwrap();
+                assert!(batch.len() <= 7, "a claim took more than its limit");
+                if batch.is_empty() {
+                    return mine;
+                }
+                mine.extend(batch.into_iter().map(|m| m.id));
+            }
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let total = all.len();
+    all.sort();
+    all.dedup();
+    assert_eq!(total, 500, "every row claimed");
+    assert_eq!(all.len(), 500, "no row claimed twice");
+}
+
+async fn fencing_protects_the_new_owner(db: TestDb) {
+    let id = db.enqueue(mail("a@example.com", "x")).await;
+    let old = claimed(&db, 1).await.remove(0);
+    // The old owner looks dead: its lock goes stale and another worker claims.
+    db.exec(&format!(
+        "UPDATE mail_queue SET locked_at = locked_at - interval '1 hour' WHERE id = {id}"
+    ))
+    .await;
+    assert_eq!(
+        db.store
+            .release_stale_locks(Duration::from_secs(60))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    let new = claimed(&db, 1).await.remove(0);
+    assert_ne!(old.lock, new.lock);
+
+    let written = db
+        .store
+        .finalize(&[finalize(
+            &old,
+            FinalAction::Failed {
+                error: "old owner".into(),
+            },
+        )])
+        .await
+        .unwrap();
+    assert!(written.is_empty(), "the old owner overwrote the new one");
+    let row = db.row(id).await;
+    assert_eq!((row.status.as_str(), row.attempts), ("sending", 2));
+
+    let written = db
+        .store
+        .finalize(&[finalize(&new, FinalAction::Sent)])
+        .await
+        .unwrap();
+    assert_eq!(written, [id]);
+    let row = db.row(id).await;
+    assert_eq!(row.status, "sent");
+    assert_eq!(row.last_error, None);
+}
+
+async fn renewal_keeps_locks_fresh(db: TestDb) {
+    db.enqueue(mail("a@example.com", "x")).await;
+    db.enqueue(mail("b@example.com", "y")).await;
+    let a = claimed(&db, 1).await.remove(0);
+    let b = claimed(&db, 1).await.remove(0);
+    db.exec("UPDATE mail_queue SET locked_at = locked_at - interval '1 hour'")
+        .await;
+    assert_eq!(db.store.renew_locks(&[a.lock]).await.unwrap(), 1);
+    let released = db
+        .store
+        .release_stale_locks(Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert_eq!(released.len(), 1);
+    assert_eq!(
+        released[0].id, b.id,
+        "only the row that was not renewed goes"
+    );
+    assert_eq!(db.row(a.id).await.status, "sending");
+}
+
+async fn stale_locks_are_released(db: TestDb) {
+    let requeue = db.enqueue(mail("a@example.com", "x")).await;
+    let mut last = mail("b@example.com", "last try");
+    last.attempts_remaining = Some(1);
+    let exhausted = db.enqueue(last).await;
+    claimed(&db, 10).await;
+    assert!(db
+        .store
+        .release_stale_locks(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .is_empty());
+    db.exec("UPDATE mail_queue SET locked_at = locked_at - interval '2 minutes'")
+        .await;
+    let mut released = db
+        .store
+        .release_stale_locks(Duration::from_secs(60))
+        .await
+        .unwrap();
+    released.sort_by_key(|r| r.id);
+    assert_eq!(released.len(), 2);
+    assert!(released[0].requeued && !released[1].requeued);
+    let row = db.row(requeue).await;
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.attempts_remaining),
+        ("queued", 1, 4)
+    );
+    assert!(!row.locked);
+    let row = db.row(exhausted).await;
+    assert_eq!((row.status.as_str(), row.attempts_remaining), ("failed", 0));
+    assert!(row.last_error.unwrap().starts_with("lock expired"));
+}
+
+async fn finalize_writes_each_outcome(db: TestDb) {
+    for i in 0..5 {
+        db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+    }
+    let batch = claimed(&db, 5).await;
+    let writes = vec![
+        finalize(&batch[0], FinalAction::Sent),
+        finalize(
+            &batch[1],
+            FinalAction::Retry {
+                delay: Duration::from_secs(600),
+                error: "RCPT TO: 451 later".into(),
+            },
+        ),
+        finalize(
+            &batch[2],
+            FinalAction::Failed {
+                error: "RCPT TO: 550 no".into(),
+            },
+        ),
+        finalize(
+            &batch[3],
+            FinalAction::Unknown {
+                error: "no reply after end of data".into(),
+            },
+        ),
+        finalize(&batch[4], FinalAction::Release),
+    ];
+    let mut written = db.store.finalize(&writes).await.unwrap();
+    written.sort();
+    let mut expected: Vec<i64> = batch.iter().map(|m| m.id).collect();
+    expected.sort();
+    assert_eq!(written, expected);
+    let rows: std::collections::HashMap<i64, RowState> =
+        db.rows().await.into_iter().map(|r| (r.id, r)).collect();
+    let r = &rows[&batch[0].id];
+    assert_eq!(
+        (r.status.as_str(), r.attempts, r.locked, r.processed),
+        ("sent", 1, false, true)
+    );
+    let r = &rows[&batch[1].id];
+    assert_eq!(
+        (r.status.as_str(), r.attempts, r.scheduled),
+        ("queued", 1, true)
+    );
+    assert_eq!(r.last_error.as_deref(), Some("RCPT TO: 451 later"));
+    let r = &rows[&batch[2].id];
+    assert_eq!((r.status.as_str(), r.attempts_remaining), ("failed", 4));
+    let r = &rows[&batch[3].id];
+    assert_eq!(r.status, "unknown");
+    let r = &rows[&batch[4].id];
+    assert_eq!(
+        (
+            r.status.as_str(),
+            r.attempts,
+            r.attempts_remaining,
+            r.scheduled
+        ),
+        ("queued", 0, 5, false)
+    );
+    assert!(!r.processed);
+}
+
+async fn dedupe_reports_the_existing_row(db: TestDb) {
+    let mut m = mail("a@example.com", "x");
+    m.dedupe_key = Some("k".into());
+    let mut other = mail("b@example.com", "y");
+    other.dedupe_key = Some("other".into());
+    let first = db.store.enqueue(&[m.clone(), other]).await.unwrap();
+    let again = db.store.enqueue(&[m]).await.unwrap();
+    assert_eq!(again[0].id, first[0].id);
+    assert!(again[0].duplicate && !first[0].duplicate);
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM mail_queue").await, 2);
+}
+
+async fn status_counts_and_ages(db: TestDb) {
+    for i in 0..4 {
+        db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+    }
+    let batch = claimed(&db, 2).await;
+    db.store
+        .finalize(&[
+            finalize(&batch[0], FinalAction::Sent),
+            finalize(
+                &batch[1],
+                FinalAction::Failed {
+                    error: "RCPT TO: 550 nobody".into(),
+                },
+            ),
+        ])
+        .await
+        .unwrap();
+    claimed(&db, 1).await;
+    db.exec(
+        "UPDATE mail_queue SET locked_at = now() - interval '10 minutes' WHERE status = 'sending'",
+    )
+    .await;
+    db.exec(
+        "UPDATE mail_queue SET send_at = now() - interval '90 seconds' WHERE status = 'queued'",
+    )
+    .await;
+    let stats = db.store.stats(Duration::from_secs(300)).await.unwrap();
+    let count = |s: &str| {
+        stats
+            .counts
+            .iter()
+            .find(|c| c.status == s)
+            .map_or(0, |c| c.count)
+    };
+    assert_eq!(
+        (
+            count("queued"),
+            count("sending"),
+            count("sent"),
+            count("failed")
+        ),
+        (1, 1, 1, 1)
+    );
+    let age = stats.oldest_due_age_seconds.unwrap();
+    assert!((89.0..200.0).contains(&age), "{age}");
+    assert_eq!(stats.stale_locks, 1);
+    assert_eq!(stats.sent_last_5m, 1);
+    assert_eq!(stats.recent_failures.len(), 1);
+    assert_eq!(
+        stats.recent_failures[0].last_error.as_deref(),
+        Some("RCPT TO: 550 nobody")
+    );
+}
+
+async fn retry_cancel_and_purge(db: TestDb) {
+    for i in 0..4 {
+        db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+    }
+    let batch = claimed(&db, 3).await;
+    db.store
+        .finalize(&[
+            finalize(
+                &batch[0],
+                FinalAction::Failed {
+                    error: "550".into(),
+                },
+            ),
+            finalize(
+                &batch[1],
+                FinalAction::Unknown {
+                    error: "lost".into(),
+                },
+            ),
+            finalize(&batch[2], FinalAction::Sent),
+        ])
+        .await
+        .unwrap();
+    let queued = db
+        .scalar_i64("SELECT id FROM mail_queue WHERE status = 'queued'")
+        .await;
+
+    assert_eq!(
+        db.store
+            .retry(RetrySelection::Id(batch[2].id), 5)
+            .await
+            .unwrap(),
+        0,
+        "sent stays sent"
+    );
+    assert_eq!(
+        db.store
+            .retry(RetrySelection::Id(batch[0].id), 5)
+            .await
+            .unwrap(),
+        1
+    );
+    let row = db.row(batch[0].id).await;
+    assert_eq!((row.status.as_str(), row.attempts_remaining), ("queued", 5));
+    assert_eq!(
+        db.store.retry(RetrySelection::AllFailed, 3).await.unwrap(),
+        1
+    );
+    assert_eq!(db.row(batch[1].id).await.status, "queued");
+
+    assert_eq!(db.store.cancel(queued).await.unwrap(), 1);
+    assert_eq!(db.row(queued).await.status, "cancelled");
+    assert_eq!(
+        db.store.cancel(batch[2].id).await.unwrap(),
+        0,
+        "only queued rows"
+    );
+
+    // Retention: nothing is old enough; then everything finished is.
+    assert_eq!(
+        db.store
+            .purge(Duration::from_secs(3600), Duration::from_secs(3600), 100)
+            .await
+            .unwrap(),
+        0
+    );
+    db.exec("UPDATE mail_queue SET processed_at = now() - interval '2 hours' WHERE processed_at IS NOT NULL")
+        .await;
+    assert_eq!(
+        db.store
+            .purge(Duration::from_secs(3600), Duration::from_secs(86400), 100)
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM mail_queue WHERE status = 'sent'")
+            .await,
+        0
+    );
+    assert_eq!(
+        db.store
+            .purge(Duration::ZERO, Duration::ZERO, 100)
+            .await
+            .unwrap(),
+        1,
+        "the cancelled row"
+    );
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM mail_queue").await, 2);
+}
