@@ -386,7 +386,7 @@ impl Worker {
             backend = %self.store.backend(),
             concurrency = self.settings.concurrency,
             batch_size = self.settings.batch_size,
-            wakeup = if listening { "notify" } else { "poll" },
+            wakeup = listening.unwrap_or("poll"),
             "worker started"
         );
         let background = CancellationToken::new();

@@ -362,3 +362,73 @@ async fn sigterm_lets_the_mail_in_flight_finish() {
     assert_eq!(row.status, "sent", "{row:?}");
     assert_eq!(smtp.received().len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn embedded_defaults_write_eml_files_and_wake_at_once() {
+    // The README's first command, on a machine with nothing else installed:
+    // SQLite in ./tablemail.db, mails as .eml files in ./outbox.
+    let dir = TempDir::new();
+    let mut daemon = Daemon::start_in(
+        dir.path(),
+        vec![
+            // Polling alone would take a minute: the wake-up must do it.
+            (
+                "TABLEMAIL__WORKER__POLL_INTERVAL".to_string(),
+                "60s".to_string(),
+            ),
+        ],
+    );
+    eventually("the daemon to start", Duration::from_secs(20), || async {
+        daemon
+            .logs()
+            .iter()
+            .any(|l| l["message"] == "worker started")
+    })
+    .await;
+    let warning = daemon
+        .logs()
+        .into_iter()
+        .find(|l| l["level"] == "WARN" && l["message"].as_str().unwrap().contains("file transport"))
+        .expect("a warning that no mail leaves the machine");
+    assert!(warning["message"]
+        .as_str()
+        .unwrap()
+        .contains("do not leave this machine"));
+    assert!(dir.path().join("tablemail.db").exists());
+
+    let (code, out, err) = output(tablemail().current_dir(dir.path()).args([
+        "enqueue",
+        "--from",
+        "me@example.com",
+        "--to",
+        "you@example.com",
+        "--subject",
+        "Hi",
+        "--body",
+        "Hello",
+    ]));
+    assert_eq!(code, 0, "{err}");
+    let id: i64 = out.trim().parse().unwrap();
+    let eml = dir.path().join("outbox").join(format!("{id}.eml"));
+    eventually("the .eml file", Duration::from_secs(10), || async {
+        eml.exists()
+    })
+    .await;
+    let text = std::fs::read_to_string(&eml).unwrap();
+    assert!(text.contains("Subject: Hi\r\n"), "{text}");
+    assert!(text.contains("To: you@example.com\r\n"), "{text}");
+    assert!(text.contains("Hello"), "{text}");
+
+    let (code, out, _) = output(
+        tablemail()
+            .current_dir(dir.path())
+            .args(["status", "--json"]),
+    );
+    assert_eq!(code, 0);
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(status["backend"], "sqlite");
+    assert_eq!(status["counts"]["sent"], 1);
+
+    daemon.signal("INT");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+}

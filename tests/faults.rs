@@ -9,22 +9,7 @@ use std::{collections::HashMap, time::Duration};
 use support::*;
 use tablemail::{config::Ambiguous, store::NewMail};
 
-macro_rules! suite {
-    ($($case:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    if let Some(db) = crate::support::TestDb::postgres().await {
-                        super::$case(db).await;
-                    }
-                }
-            )*
-        }
-    };
-}
-
-suite!(
+for_each_backend!(
     soft_rejects_are_transient,
     hard_rejects_are_permanent,
     relay_unavailable_refunds_the_attempt,
@@ -403,7 +388,8 @@ async fn old_mails_expire(db: TestDb) {
     let worker = worker(&db, &settings(&db, &sink.url()));
     let id = one(&db, "a@example.com").await;
     db.exec(&format!(
-        "UPDATE mail_queue SET created_at = now() - interval '6 days' WHERE id = {id}"
+        "UPDATE mail_queue SET created_at = {} WHERE id = {id}",
+        db.minus(db.now(), 6 * 86400)
     ))
     .await;
     assert_eq!(worker.process_batch().await.unwrap().failed, 1);
@@ -582,12 +568,12 @@ async fn sigkill_loses_nothing(db: TestDb) {
     let mut kills = 0;
     while kills < 10 {
         // Rows still held by daemons killed earlier (their locks not yet stale).
-        let earlier: Vec<uuid::Uuid> = sqlx::query_scalar(
-            "SELECT DISTINCT thread_lock FROM mail_queue WHERE status = 'sending'",
-        )
-        .fetch_all(db.pool())
-        .await
-        .unwrap();
+        let earlier: std::collections::HashSet<String> = db
+            .sending_locks()
+            .await
+            .into_iter()
+            .map(|(_, lock)| lock)
+            .collect();
         let mut daemon = Daemon::start(env.clone());
         let before = db
             .scalar_i64("SELECT count(*) FROM mail_queue WHERE status = 'sent'")
@@ -606,13 +592,12 @@ async fn sigkill_loses_nothing(db: TestDb) {
         daemon.wait_exit(Duration::from_secs(10)).await;
         kills += 1;
         // Rows this daemon held when it died: claimed, maybe sent, not written.
-        let held: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM mail_queue WHERE status = 'sending' AND NOT (thread_lock = ANY($1))",
-        )
-        .bind(&earlier)
-        .fetch_one(db.pool())
-        .await
-        .unwrap();
+        let held = db
+            .sending_locks()
+            .await
+            .iter()
+            .filter(|(_, lock)| !earlier.contains(lock))
+            .count() as i64;
         in_flight_at_kills += held;
         if db
             .scalar_i64("SELECT count(*) FROM mail_queue WHERE status <> 'sent'")
@@ -642,14 +627,12 @@ async fn sigkill_loses_nothing(db: TestDb) {
     for m in &got {
         *seen.entry(m.message_id.clone().unwrap()).or_default() += 1;
     }
-    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM mail_queue")
-        .fetch_all(db.pool())
-        .await
-        .unwrap();
+    let ids = db.strings("SELECT message_id FROM mail_queue").await;
     let lost = ids.iter().filter(|id| !seen.contains_key(*id)).count();
     let duplicates = got.len() - seen.len();
     eprintln!(
-        "sigkill: {kills} kills, {total} mails, lost {lost}, duplicates {duplicates}, in flight at the kills {in_flight_at_kills}"
+        "sigkill ({}): {kills} kills, {total} mails, lost {lost}, duplicates {duplicates}, in flight at the kills {in_flight_at_kills}",
+        db.backend
     );
     assert_eq!(lost, 0);
     assert!(

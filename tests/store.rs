@@ -11,22 +11,7 @@ use tablemail::store::{
     BatchLock, Claim, FinalAction, Finalize, NewMail, QueuedMail, RetrySelection,
 };
 
-macro_rules! suite {
-    ($($case:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    if let Some(db) = crate::support::TestDb::postgres().await {
-                        super::$case(db).await;
-                    }
-                }
-            )*
-        }
-    };
-}
-
-suite!(
+for_each_backend!(
     claims_by_priority_then_send_at_then_id,
     claims_only_due_rows_and_spends_the_attempt,
     claims_never_overlap,
@@ -150,7 +135,8 @@ async fn fencing_protects_the_new_owner(db: TestDb) {
     let old = claimed(&db, 1).await.remove(0);
     // The old owner looks dead: its lock goes stale and another worker claims.
     db.exec(&format!(
-        "UPDATE mail_queue SET locked_at = locked_at - interval '1 hour' WHERE id = {id}"
+        "UPDATE mail_queue SET locked_at = {} WHERE id = {id}",
+        db.minus("locked_at", 3600)
     ))
     .await;
     assert_eq!(
@@ -194,8 +180,11 @@ async fn renewal_keeps_locks_fresh(db: TestDb) {
     db.enqueue(mail("b@example.com", "y")).await;
     let a = claimed(&db, 1).await.remove(0);
     let b = claimed(&db, 1).await.remove(0);
-    db.exec("UPDATE mail_queue SET locked_at = locked_at - interval '1 hour'")
-        .await;
+    db.exec(&format!(
+        "UPDATE mail_queue SET locked_at = {}",
+        db.minus("locked_at", 3600)
+    ))
+    .await;
     assert_eq!(db.store.renew_locks(&[a.lock]).await.unwrap(), 1);
     let released = db
         .store
@@ -222,8 +211,11 @@ async fn stale_locks_are_released(db: TestDb) {
         .await
         .unwrap()
         .is_empty());
-    db.exec("UPDATE mail_queue SET locked_at = locked_at - interval '2 minutes'")
-        .await;
+    db.exec(&format!(
+        "UPDATE mail_queue SET locked_at = {}",
+        db.minus("locked_at", 120)
+    ))
+    .await;
     let mut released = db
         .store
         .release_stale_locks(Duration::from_secs(60))
@@ -336,13 +328,15 @@ async fn status_counts_and_ages(db: TestDb) {
         .await
         .unwrap();
     claimed(&db, 1).await;
-    db.exec(
-        "UPDATE mail_queue SET locked_at = now() - interval '10 minutes' WHERE status = 'sending'",
-    )
+    db.exec(&format!(
+        "UPDATE mail_queue SET locked_at = {} WHERE status = 'sending'",
+        db.minus(db.now(), 600)
+    ))
     .await;
-    db.exec(
-        "UPDATE mail_queue SET send_at = now() - interval '90 seconds' WHERE status = 'queued'",
-    )
+    db.exec(&format!(
+        "UPDATE mail_queue SET send_at = {} WHERE status = 'queued'",
+        db.minus(db.now(), 90)
+    ))
     .await;
     let stats = db.store.stats(Duration::from_secs(300)).await.unwrap();
     let count = |s: &str| {
@@ -438,8 +432,11 @@ async fn retry_cancel_and_purge(db: TestDb) {
             .unwrap(),
         0
     );
-    db.exec("UPDATE mail_queue SET processed_at = now() - interval '2 hours' WHERE processed_at IS NOT NULL")
-        .await;
+    db.exec(&format!(
+        "UPDATE mail_queue SET processed_at = {} WHERE processed_at IS NOT NULL",
+        db.minus(db.now(), 7200)
+    ))
+    .await;
     assert_eq!(
         db.store
             .purge(Duration::from_secs(3600), Duration::from_secs(86400), 100)

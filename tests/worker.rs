@@ -9,23 +9,7 @@ use std::time::Duration;
 use support::*;
 use tablemail::store::NewMail;
 
-/// Instantiates every case for every backend.
-macro_rules! suite {
-    ($($case:ident),* $(,)?) => {
-        mod postgres {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    if let Some(db) = crate::support::TestDb::postgres().await {
-                        super::$case(db).await;
-                    }
-                }
-            )*
-        }
-    };
-}
-
-suite!(
+for_each_backend!(
     delivers_one_correct_message,
     smallest_sql_insert_is_sent,
     message_id_is_stable_across_a_retry,
@@ -209,7 +193,8 @@ async fn scheduled_mail_waits_until_due(db: TestDb) {
     assert_eq!(smtp.received().len(), 1);
 
     db.exec(&format!(
-        "UPDATE mail_queue SET send_at = now() WHERE id = {later}"
+        "UPDATE mail_queue SET send_at = {} WHERE id = {later}",
+        db.now()
     ))
     .await;
     assert_eq!(worker.process_batch().await.unwrap().sent, 1);
@@ -280,11 +265,10 @@ async fn dedupe_key_inserts_once(db: TestDb) {
     assert!(second.duplicate);
     assert_eq!(first.id, second.id);
     let inserted = db
-        .exec(
-            "INSERT INTO mail_queue (to_address, subject, body, dedupe_key) \
-             VALUES ('a@example.com', 'welcome', 'x', 'welcome:user:1') \
-             ON CONFLICT (dedupe_key) DO NOTHING",
-        )
+        .exec(&db.insert_unless_duplicate(
+            "to_address, subject, body, dedupe_key",
+            "'a@example.com', 'welcome', 'x', 'welcome:user:1'",
+        ))
         .await;
     assert_eq!(inserted, 0);
     assert_eq!(db.scalar_i64("SELECT count(*) FROM mail_queue").await, 1);
@@ -297,43 +281,50 @@ async fn bad_input_fails_without_an_smtp_session(db: TestDb) {
     let mut s = settings(&db, &smtp.url());
     s.transport.max_message_size = tablemail::config::ByteSize(10_000);
     let worker = worker(&db, &s);
+    let quote = |s: &str| db.literal(s);
     let cases = [
         (
-            "'not an address'",
-            "'x'",
-            "NULL",
+            quote("not an address"),
+            quote("x"),
+            "NULL".to_string(),
             "invalid address in to_address",
         ),
-        ("''", "'x'", "NULL", "no recipient"),
+        (quote(""), quote("x"), "NULL".to_string(), "no recipient"),
         (
-            "'a@example.com'",
-            "E'Hi\\r\\nBcc: victim@example.com'",
-            "NULL",
+            quote("a@example.com"),
+            db.with_crlf("Hi", "Bcc: victim@example.com"),
+            "NULL".to_string(),
             "CR or LF in subject",
         ),
         (
-            "'a@example.com'",
-            "'x'",
-            "'{\"Bad Name\": \"v\"}'",
+            quote("a@example.com"),
+            quote("x"),
+            quote(r#"{"Bad Name": "v"}"#),
             "invalid header \"Bad Name\"",
         ),
         (
-            "'a@example.com'",
-            "'x'",
-            "'{\"X-Ok\": \"v\\r\\nBcc: b@example.com\"}'",
+            quote("a@example.com"),
+            quote("x"),
+            quote(r#"{"X-Ok": "v\r\nBcc: b@example.com"}"#),
             "CR or LF in header X-Ok",
         ),
         (
-            "'a@example.com'",
-            "'x'",
-            "'{\"From\": \"boss@example.com\"}'",
+            quote("a@example.com"),
+            quote("x"),
+            quote(r#"{"From": "boss@example.com"}"#),
             "invalid header \"From\"",
         ),
         (
-            "'a@example.com, @@'",
-            "'x'",
-            "NULL",
+            quote("a@example.com, @@"),
+            quote("x"),
+            "NULL".to_string(),
             "invalid address in to_address",
+        ),
+        (
+            db.with_crlf("a@example.com", "b@example.com"),
+            quote("x"),
+            "NULL".to_string(),
+            "CR or LF in to_address",
         ),
     ];
     for (to, subject, headers, _) in &cases {
@@ -393,9 +384,5 @@ async fn many_mails_each_received_exactly_once(db: TestDb) {
     let mut expected: Vec<String> = (0..300).map(|i| format!("mail {i}")).collect();
     expected.sort();
     assert_eq!(subjects, expected);
-    assert_eq!(
-        db.scalar_i64("SELECT count(*) FROM mail_queue WHERE status = 'sent' AND attempts = 1")
-            .await,
-        300
-    );
+    assert_eq!(db.count("status = 'sent' AND attempts = 1").await, 300);
 }

@@ -16,7 +16,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+pub mod mysql;
 pub mod postgres;
+pub mod sqlite;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -334,10 +336,14 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes up to `limit` finished rows past their retention.
     async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64>;
 
-    /// Starts a task that calls `wake.notify_one()` when new rows may be due.
-    /// Backends without push notifications return `false` and are polled.
-    fn spawn_wakeup_listener(&self, _wake: Arc<Notify>, _cancel: CancellationToken) -> bool {
-        false
+    /// Starts a task that calls `wake.notify_one()` when new rows may be due,
+    /// and names the mechanism; `None`: the backend is only polled.
+    fn spawn_wakeup_listener(
+        &self,
+        _wake: Arc<Notify>,
+        _cancel: CancellationToken,
+    ) -> Option<&'static str> {
+        None
     }
 }
 
@@ -347,9 +353,12 @@ pub async fn connect(url: &str, max_connections: u32) -> Result<Arc<dyn Store>> 
         Backend::Postgres => Ok(Arc::new(
             postgres::PgStore::connect(url, max_connections).await?,
         )),
-        other => Err(StoreError::Unsupported(format!(
-            "the {other} backend is not built yet; use postgres://"
-        ))),
+        Backend::Sqlite => Ok(Arc::new(
+            sqlite::SqliteStore::connect(url, max_connections).await?,
+        )),
+        Backend::Mysql => Ok(Arc::new(
+            mysql::MySqlStore::connect(url, max_connections).await?,
+        )),
     }
 }
 
@@ -387,4 +396,34 @@ where
 /// Milliseconds for SQL interval arithmetic.
 pub(crate) fn millis(d: Duration) -> i64 {
     d.as_millis().min(i64::MAX as u128) as i64
+}
+
+/// The outcomes as one JSON array, for backends without array parameters.
+pub(crate) fn finalize_json(writes: &[Finalize]) -> String {
+    let items: Vec<serde_json::Value> = writes
+        .iter()
+        .map(|w| {
+            let (status, delay_ms, error, refund) = w.action.columns();
+            serde_json::json!({
+                "id": w.id,
+                "lock": w.lock.to_string(),
+                "status": status,
+                "delay_ms": delay_ms,
+                "error": error,
+                "refund": refund as i32,
+            })
+        })
+        .collect();
+    serde_json::Value::Array(items).to_string()
+}
+
+/// Lock GUIDs as one JSON array of strings.
+pub(crate) fn locks_json(locks: &[BatchLock]) -> String {
+    serde_json::Value::Array(
+        locks
+            .iter()
+            .map(|l| serde_json::Value::String(l.to_string()))
+            .collect(),
+    )
+    .to_string()
 }

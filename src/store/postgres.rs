@@ -380,7 +380,11 @@ impl Store for PgStore {
         Ok(done.rows_affected())
     }
 
-    fn spawn_wakeup_listener(&self, wake: Arc<Notify>, cancel: CancellationToken) -> bool {
+    fn spawn_wakeup_listener(
+        &self,
+        wake: Arc<Notify>,
+        cancel: CancellationToken,
+    ) -> Option<&'static str> {
         let pool = self.pool.clone();
         tokio::spawn(async move {
             loop {
@@ -395,7 +399,7 @@ impl Store for PgStore {
                 }
             }
         });
-        true
+        Some("notify")
     }
 }
 

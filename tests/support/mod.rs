@@ -7,11 +7,17 @@ use std::{
     io::{BufRead, BufReader},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
+    str::FromStr,
     sync::{Arc, Mutex},
     time::Duration,
 };
 
-use sqlx::{postgres::PgPoolOptions, PgPool, Row};
+use sqlx::{
+    mysql::MySqlPoolOptions,
+    postgres::PgPoolOptions,
+    sqlite::{SqliteConnectOptions, SqlitePoolOptions},
+    MySqlPool, PgPool, Row, SqlitePool,
+};
 use tablemail::{
     commands,
     config::Settings,
@@ -48,13 +54,37 @@ pub fn postgres_admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+pub fn mysql_admin_url() -> String {
+    std::env::var("TABLEMAIL_TEST_MYSQL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// The test's own connection to its database, for looking at rows.
+pub enum Pool {
+    Pg(PgPool),
+    Sqlite(SqlitePool),
+    My(MySqlPool),
+}
+
+/// Runs `$body` with `$p` bound to whichever pool the database has.
+macro_rules! on_pool {
+    ($db:expr, $p:ident => $body:expr) => {
+        match &$db.pool {
+            Pool::Pg($p) => $body,
+            Pool::Sqlite($p) => $body,
+            Pool::My($p) => $body,
+        }
+    };
+}
+
 /// A database of its own for one test, dropped afterwards.
 pub struct TestDb {
     pub backend: Backend,
     pub url: String,
-    name: String,
     pub store: Arc<dyn Store>,
-    pool: PgPool,
+    pool: Pool,
+    name: String,
+    _dir: Option<TempDir>,
 }
 
 /// One row of `mail_queue` as the tests look at it.
@@ -72,6 +102,23 @@ pub struct RowState {
     pub processed: bool,
 }
 
+fn db_name() -> String {
+    format!("tm_test_{}", uuid::Uuid::new_v4().simple())
+}
+
+fn with_database(admin_url: &str, name: &str) -> String {
+    match admin_url.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{name}"),
+        None => panic!("{admin_url} names no database"),
+    }
+}
+
+async fn open_store(url: &str) -> Arc<dyn Store> {
+    let store = store::connect(url, 8).await.expect("connect");
+    store.migrate().await.expect("migrate");
+    store
+}
+
 impl TestDb {
     pub async fn postgres() -> Option<TestDb> {
         init_logs();
@@ -85,18 +132,14 @@ impl TestDb {
             Ok(p) => p,
             Err(e) => return unreachable(Backend::Postgres, e),
         };
-        let name = format!("tm_test_{}", uuid::Uuid::new_v4().simple());
+        let name = db_name();
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .execute(&admin)
             .await
             .expect("create test database");
         admin.close().await;
-        let url = match admin_url.rsplit_once('/') {
-            Some((base, _)) => format!("{base}/{name}"),
-            None => panic!("admin url has no database"),
-        };
-        let store = store::connect(&url, 8).await.expect("connect");
-        store.migrate().await.expect("migrate");
+        let url = with_database(&admin_url, &name);
+        let store = open_store(&url).await;
         let pool = PgPoolOptions::new()
             .max_connections(2)
             .connect(&url)
@@ -105,58 +148,198 @@ impl TestDb {
         Some(TestDb {
             backend: Backend::Postgres,
             url,
-            name,
             store,
-            pool,
+            pool: Pool::Pg(pool),
+            name,
+            _dir: None,
         })
     }
 
+    pub async fn mysql() -> Option<TestDb> {
+        init_logs();
+        let admin_url = mysql_admin_url();
+        let admin = match MySqlPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&admin_url)
+            .await
+        {
+            Ok(p) => p,
+            Err(e) => return unreachable(Backend::Mysql, e),
+        };
+        let name = db_name();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&admin)
+            .await
+            .expect("create test database");
+        admin.close().await;
+        let url = with_database(&admin_url, &name);
+        let store = open_store(&url).await;
+        let pool = MySqlPoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .expect("connect");
+        Some(TestDb {
+            backend: Backend::Mysql,
+            url,
+            store,
+            pool: Pool::My(pool),
+            name,
+            _dir: None,
+        })
+    }
+
+    pub async fn sqlite() -> Option<TestDb> {
+        init_logs();
+        let dir = TempDir::new();
+        let url = format!("sqlite://{}", dir.path().join("tablemail.db").display());
+        let store = open_store(&url).await;
+        let options = SqliteConnectOptions::from_str(&url)
+            .unwrap()
+            .busy_timeout(Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(2)
+            .connect_with(options)
+            .await
+            .expect("connect");
+        Some(TestDb {
+            backend: Backend::Sqlite,
+            url,
+            store,
+            pool: Pool::Sqlite(pool),
+            name: String::new(),
+            _dir: Some(dir),
+        })
+    }
+
+    /// The pool of a PostgreSQL test database (for PostgreSQL-only tests).
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        match &self.pool {
+            Pool::Pg(p) => p,
+            _ => panic!("not a PostgreSQL test database"),
+        }
     }
 
     /// Runs SQL as an application would.
     pub async fn exec(&self, sql: &str) -> u64 {
-        sqlx::query(sqlx::AssertSqlSafe(sql.to_string()))
-            .execute(&self.pool)
-            .await
+        let q = sqlx::AssertSqlSafe(sql.to_string());
+        on_pool!(self, p => sqlx::query(q).execute(p).await.map(|d| d.rows_affected()))
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
-            .rows_affected()
     }
 
     pub async fn scalar_i64(&self, sql: &str) -> i64 {
-        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_string()))
-            .fetch_one(&self.pool)
-            .await
+        let q = sqlx::AssertSqlSafe(sql.to_string());
+        on_pool!(self, p => sqlx::query_scalar::<_, i64>(q).fetch_one(p).await)
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    pub async fn strings(&self, sql: &str) -> Vec<String> {
+        let q = sqlx::AssertSqlSafe(sql.to_string());
+        on_pool!(self, p => sqlx::query_scalar::<_, String>(q).fetch_all(p).await)
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// Counts rows of `mail_queue` that match `condition`.
+    pub async fn count(&self, condition: &str) -> i64 {
+        self.scalar_i64(&format!(
+            "SELECT count(*) FROM mail_queue WHERE {condition}"
+        ))
+        .await
     }
 
     pub async fn enqueue(&self, mail: NewMail) -> i64 {
         self.store.enqueue(&[mail]).await.expect("enqueue")[0].id
     }
 
+    /// The database clock, as SQL.
+    pub fn now(&self) -> &'static str {
+        match self.backend {
+            Backend::Postgres => "now()",
+            Backend::Sqlite => "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+            Backend::Mysql => "UTC_TIMESTAMP(6)",
+        }
+    }
+
+    /// `expr` moved `seconds` into the past, as SQL.
+    pub fn minus(&self, expr: &str, seconds: i64) -> String {
+        match self.backend {
+            Backend::Postgres => format!("({expr} - interval '{seconds} seconds')"),
+            Backend::Sqlite => {
+                format!("strftime('%Y-%m-%d %H:%M:%f', {expr}, '-{seconds} seconds')")
+            }
+            Backend::Mysql => format!("({expr} - INTERVAL {seconds} SECOND)"),
+        }
+    }
+
+    /// A string literal, quoted for this backend.
+    pub fn literal(&self, s: &str) -> String {
+        let s = s.replace('\'', "''");
+        match self.backend {
+            Backend::Mysql => format!("'{}'", s.replace('\\', "\\\\")),
+            _ => format!("'{s}'"),
+        }
+    }
+
+    /// A string literal holding `a`, CR, LF, `b`.
+    pub fn with_crlf(&self, a: &str, b: &str) -> String {
+        let (a, b) = (self.literal(a), self.literal(b));
+        match self.backend {
+            Backend::Postgres => format!("{a} || E'\\r\\n' || {b}"),
+            Backend::Sqlite => format!("{a} || char(13, 10) || {b}"),
+            Backend::Mysql => format!("CONCAT({a}, CHAR(13, 10), {b})"),
+        }
+    }
+
+    /// An INSERT that a taken `dedupe_key` turns into nothing.
+    pub fn insert_unless_duplicate(&self, columns: &str, values: &str) -> String {
+        match self.backend {
+            Backend::Mysql => format!("INSERT IGNORE INTO mail_queue ({columns}) VALUES ({values})"),
+            _ => format!(
+                "INSERT INTO mail_queue ({columns}) VALUES ({values}) ON CONFLICT (dedupe_key) DO NOTHING"
+            ),
+        }
+    }
+
+    /// `(id, thread_lock)` of every `sending` row.
+    pub async fn sending_locks(&self) -> Vec<(i64, String)> {
+        let sql = match self.backend {
+            Backend::Postgres => {
+                "SELECT id, thread_lock::text FROM mail_queue WHERE status = 'sending'"
+            }
+            _ => "SELECT id, thread_lock FROM mail_queue WHERE status = 'sending'",
+        };
+        on_pool!(self, p => sqlx::query_as::<_, (i64, String)>(sql).fetch_all(p).await).unwrap()
+    }
+
     pub async fn rows(&self) -> Vec<RowState> {
-        let rows = sqlx::query(
+        let future = match self.backend {
+            Backend::Postgres => "send_at > now()",
+            Backend::Sqlite => "julianday(send_at) > julianday('now')",
+            Backend::Mysql => "send_at > UTC_TIMESTAMP(6)",
+        };
+        let sql = format!(
             "SELECT id, status, attempts, attempts_remaining, thread_lock IS NOT NULL AS locked, \
-             message_id, last_error, send_at > now() AS scheduled, processed_at IS NOT NULL AS processed \
-             FROM mail_queue ORDER BY id",
-        )
-        .fetch_all(&self.pool)
-        .await
-        .expect("read rows");
-        rows.iter()
-            .map(|r| RowState {
-                id: r.get("id"),
-                status: r.get("status"),
-                attempts: r.get("attempts"),
-                attempts_remaining: r.get("attempts_remaining"),
-                locked: r.get("locked"),
-                message_id: r.get("message_id"),
-                last_error: r.get("last_error"),
-                scheduled: r.get("scheduled"),
-                processed: r.get("processed"),
-            })
-            .collect()
+             message_id, last_error, {future} AS scheduled, processed_at IS NOT NULL AS processed \
+             FROM mail_queue ORDER BY id"
+        );
+        let q = sqlx::AssertSqlSafe(sql);
+        on_pool!(self, p => {
+            let rows = sqlx::query(q).fetch_all(p).await.expect("read rows");
+            rows.iter()
+                .map(|r| RowState {
+                    id: r.get("id"),
+                    status: r.get("status"),
+                    attempts: r.get("attempts"),
+                    attempts_remaining: r.get("attempts_remaining"),
+                    locked: r.get("locked"),
+                    message_id: r.get("message_id"),
+                    last_error: r.get("last_error"),
+                    scheduled: r.get("scheduled"),
+                    processed: r.get("processed"),
+                })
+                .collect()
+        })
     }
 
     pub async fn row(&self, id: i64) -> RowState {
@@ -169,8 +352,11 @@ impl TestDb {
 
     /// Makes every queued row due now (instead of waiting out a backoff).
     pub async fn make_due(&self) {
-        self.exec("UPDATE mail_queue SET send_at = now() WHERE status = 'queued'")
-            .await;
+        self.exec(&format!(
+            "UPDATE mail_queue SET send_at = {} WHERE status = 'queued'",
+            self.now()
+        ))
+        .await;
     }
 
     /// Environment for the binary to use this database.
@@ -182,7 +368,10 @@ impl TestDb {
 impl Drop for TestDb {
     fn drop(&mut self) {
         let name = self.name.clone();
-        let admin_url = postgres_admin_url();
+        let backend = self.backend;
+        if backend == Backend::Sqlite {
+            return; // the directory goes with `_dir`
+        }
         // Drop runs outside any runtime guarantee: use a thread with its own.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -190,21 +379,50 @@ impl Drop for TestDb {
                 .build()
                 .unwrap();
             rt.block_on(async {
-                if let Ok(admin) = PgPoolOptions::new()
+                if backend == Backend::Postgres {
+                    if let Ok(admin) = PgPoolOptions::new()
+                        .max_connections(1)
+                        .connect(&postgres_admin_url())
+                        .await
+                    {
+                        let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                        let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&admin).await;
+                    }
+                } else if let Ok(admin) = MySqlPoolOptions::new()
                     .max_connections(1)
-                    .connect(&admin_url)
+                    .connect(&mysql_admin_url())
                     .await
                 {
-                    let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                    )))
-                    .execute(&admin)
-                    .await;
+                    let sql = format!("DROP DATABASE IF EXISTS {name}");
+                    let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&admin).await;
                 }
             });
         })
         .join();
     }
+}
+
+/// Instantiates test cases `async fn case(db: TestDb)` once per backend, in
+/// modules `postgres`, `sqlite` and `mysql`.
+#[macro_export]
+macro_rules! for_each_backend {
+    ($($case:ident),* $(,)?) => {
+        $crate::for_each_backend!(@backend postgres, postgres, $($case),*);
+        $crate::for_each_backend!(@backend sqlite, sqlite, $($case),*);
+        $crate::for_each_backend!(@backend mysql, mysql, $($case),*);
+    };
+    (@backend $module:ident, $open:ident, $($case:ident),*) => {
+        mod $module {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    if let Some(db) = $crate::support::TestDb::$open().await {
+                        super::$case(db).await;
+                    }
+                }
+            )*
+        }
+    };
 }
 
 /// A mail the SMTP server accepted (or, in `attempts`, saw end of data of).
@@ -397,8 +615,14 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(env: Vec<(String, String)>) -> Daemon {
+        Self::start_in(&std::env::temp_dir(), env)
+    }
+
+    /// Starts `tablemail run` in `dir` (where relative paths resolve).
+    pub fn start_in(dir: &Path, env: Vec<(String, String)>) -> Daemon {
         let mut child = tablemail()
             .arg("run")
+            .current_dir(dir)
             .envs(env)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
