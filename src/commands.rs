@@ -355,9 +355,9 @@ async fn purge(settings: &Settings) -> Result<()> {
 }
 
 async fn check(settings: &Settings) -> Result<()> {
-    println!("configuration: ok");
     let mut problems = Vec::new();
     let transport = build_transport(settings)?;
+    println!("configuration: ok");
     let store = connect(settings).await?;
     match store.ping().await {
         Ok(()) => match store.stats(settings.worker.lock_timeout).await {

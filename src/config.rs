@@ -477,6 +477,16 @@ mod tests {
     }
 
     #[test]
+    fn the_example_configurations_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("config");
+        for name in ["production.toml", "development.toml"] {
+            let s = Settings::load_from(Some(&dir.join(name)), env(&[]))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(s.defaults.from_address.is_some(), "{name}");
+        }
+    }
+
+    #[test]
     fn byte_sizes_parse() {
         assert_eq!("25MB".parse::<ByteSize>().unwrap(), ByteSize(25_000_000));
         assert_eq!("512 KiB".parse::<ByteSize>().unwrap(), ByteSize(512 * 1024));
