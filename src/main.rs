@@ -15,6 +15,6 @@ async fn main() -> ExitCode {
             return ExitCode::from(commands::EXIT_CONFIG);
         }
     };
-    telemetry::init(&settings.log);
+    let _logs = telemetry::init(&settings.log);
     commands::execute(cli.command, settings).await
 }

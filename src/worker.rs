@@ -31,6 +31,9 @@ use crate::{
     transport::{SendError, Transport},
 };
 
+/// How long the finalizer waits for more outcomes before writing a group.
+const FINALIZE_LINGER_MS: u64 = 5;
+
 /// What one mail came to, with what the log line needs.
 #[derive(Debug, Clone)]
 pub struct Outcome {
@@ -545,8 +548,25 @@ impl Worker {
         mut input: mpsc::UnboundedReceiver<(Outcome, OwnedSemaphorePermit)>,
     ) {
         const MAX_GROUP: usize = 1000;
+        // Under load, wait a moment for a fuller group: each statement and
+        // commit costs the database far more than one more row in it.
+        let (fill, linger) = (
+            self.settings.batch_size,
+            Duration::from_millis(FINALIZE_LINGER_MS),
+        );
         let mut group = Vec::with_capacity(MAX_GROUP);
         while input.recv_many(&mut group, MAX_GROUP).await > 0 {
+            if group.len() < fill {
+                let deadline = tokio::time::Instant::now() + linger;
+                while group.len() < fill {
+                    match tokio::time::timeout_at(deadline, input.recv_many(&mut group, MAX_GROUP))
+                        .await
+                    {
+                        Ok(n) if n > 0 => {}
+                        _ => break,
+                    }
+                }
+            }
             let outcomes: Vec<Outcome> = group.iter().map(|(o, _)| o.clone()).collect();
             let mut failures = 0u32;
             while let Err(e) = self.commit(&outcomes).await {

@@ -1,8 +1,9 @@
 """A real SMTP server (aiosmtpd) for tablemail's tests.
 
 Every accepted mail is appended as one JSON line to --out:
-{"mail_from": ..., "rcpt_tos": [...], "data": "..."}; every transaction that
-reached the end of data, accepted or not, is appended to --out + ".attempts".
+{"received_at": unix time, "mail_from": ..., "rcpt_tos": [...], "data": "..."};
+every transaction that reached the end of data, accepted or not, is appended
+to --out + ".attempts".
 
 Faults are chosen per mail by the local part of a recipient, so one server
 serves every case of a test:
@@ -24,6 +25,7 @@ import json
 import logging
 import ssl
 import sys
+import time
 import warnings
 
 from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
@@ -46,6 +48,7 @@ class Recorder:
 
     def append(self, path, envelope):
         record = {
+            "received_at": time.time(),
             "mail_from": envelope.mail_from,
             "rcpt_tos": list(envelope.rcpt_tos),
             "data": envelope.original_content.decode("utf-8", "replace"),
