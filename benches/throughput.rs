@@ -3,13 +3,13 @@
 //! On a fresh PostgreSQL database it measures
 //! - the ceiling of the SMTP sink: Postfix's `smtp-source -d -s 16` into
 //!   `smtp-sink`, same message size, same run;
-//! - end-to-end throughput: N mails (~2 KB bodies) inserted in one statement
-//!   into an idle daemon, drained into `smtp-sink`; every row must end `sent`
-//!   and the sink must count exactly N; with the daemon's CPU per mail and
-//!   peak RSS;
-//! - pickup latency: one insert at a time into an idle daemon, until the SMTP
-//!   server (aiosmtpd, which timestamps each mail) has it; with NOTIFY, then
-//!   by polling alone;
+//! - end-to-end throughput: N mails (~2 KB text bodies) loaded, then
+//!   `tablemail run` until the queue is empty, into `smtp-sink`; every row must
+//!   end `sent` and the sink must count exactly N; with the CPU per mail of
+//!   the daemon and of PostgreSQL, and the daemon's peak RSS;
+//! - pickup latency: one insert at a time into an idle daemon, from its
+//!   commit until `smtp-sink` has the mail (it prints its counter the moment
+//!   "." arrives); with NOTIFY, then by polling alone;
 //! - claim cost with 10k due rows, 1M due rows, and 10k due beside 1M
 //!   finished rows;
 //! - with `--soak 30m`: throughput per minute under constant load.
@@ -18,10 +18,10 @@
 //! `--skip-claim-cost`, `--skip-latency`.
 
 use std::{
-    io::{BufRead, BufReader, Read, Seek, SeekFrom},
+    io::{BufRead, BufReader, Read},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
-    sync::Arc,
+    sync::{Arc, Mutex},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -100,48 +100,72 @@ fn scratch() -> PathBuf {
     dir
 }
 
-/// `smtp-sink -c`, counting messages into a file.
+/// `smtp-sink -c`: a thread reads its counter line, which it prints the moment
+/// it receives a message's final ".", and notes when each message arrived.
 struct Sink {
     port: u16,
     child: Child,
-    counters: PathBuf,
+    arrivals: Arc<Mutex<Vec<f64>>>,
 }
 
 impl Sink {
-    fn start(dir: &Path, name: &str) -> Sink {
+    fn start() -> Sink {
         let port = free_port();
-        let counters = dir.join(format!("{name}.counters"));
         let mut cmd = Command::new(sbin("smtp-sink"));
         if as_root() {
             cmd.args(["-u", "nobody"]);
         }
-        let child = cmd
+        let mut child = cmd
             .arg("-c")
             .arg(format!("127.0.0.1:{port}"))
             .arg("1024")
-            .stdout(std::fs::File::create(&counters).unwrap())
+            .stdout(Stdio::piped())
             .spawn()
             .expect("smtp-sink");
+        let arrivals = Arc::new(Mutex::new(Vec::new()));
+        let mut out = child.stdout.take().unwrap();
+        let seen = arrivals.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            let mut text = String::new();
+            while let Ok(n) = out.read(&mut buf) {
+                if n == 0 {
+                    break;
+                }
+                let now = unix_now();
+                text.push_str(&String::from_utf8_lossy(&buf[..n]));
+                // Lines look like "sess=1 quit=0 mesg=42\r".
+                let last = text
+                    .rsplit("mesg=")
+                    .next()
+                    .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
+                    .and_then(|n| n.parse::<usize>().ok());
+                if let Some(count) = last {
+                    let mut seen = seen.lock().unwrap();
+                    while seen.len() < count {
+                        seen.push(now);
+                    }
+                }
+                let keep = text.len().saturating_sub(64);
+                text.drain(..keep);
+            }
+        });
         wait_listening(port);
         Sink {
             port,
             child,
-            counters,
+            arrivals,
         }
     }
 
-    /// Messages received so far (the last `mesg=` counter it printed).
-    fn messages(&self) -> u64 {
-        let mut f = std::fs::File::open(&self.counters).unwrap();
-        let len = f.metadata().unwrap().len();
-        f.seek(SeekFrom::Start(len.saturating_sub(512))).unwrap();
-        let mut tail = String::new();
-        f.read_to_string(&mut tail).unwrap();
-        tail.rsplit("mesg=")
-            .next()
-            .and_then(|s| s.split(|c: char| !c.is_ascii_digit()).next())
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0)
+    /// Messages received so far.
+    fn messages(&self) -> usize {
+        self.arrivals.lock().unwrap().len()
+    }
+
+    /// When message `i` (0-based) arrived, if it has.
+    fn arrival(&self, i: usize) -> Option<f64> {
+        self.arrivals.lock().unwrap().get(i).copied()
     }
 }
 
@@ -346,8 +370,8 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// smtp-source's rate into a fresh sink: what the SMTP side can take.
-fn ceiling(dir: &Path, mails: usize) -> f64 {
-    let sink = Sink::start(dir, "ceiling");
+fn ceiling(mails: usize) -> f64 {
+    let sink = Sink::start();
     let started = Instant::now();
     let status = Command::new(sbin("smtp-source"))
         .args([
@@ -372,13 +396,18 @@ fn ceiling(dir: &Path, mails: usize) -> f64 {
 struct Drain {
     rate: f64,
     cpu_us_per_mail: f64,
+    db_cpu_us_per_mail: f64,
     peak_rss_mib: f64,
-    sink_count: u64,
+    sink_count: usize,
 }
 
 async fn drain(tablemail: &Path, dir: &Path, mails: usize) -> Drain {
     let db = BenchDb::create(tablemail).await;
-    let sink = Sink::start(dir, "drain");
+    let sink = Sink::start();
+    // The backlog is there before the daemon starts, as after an outage.
+    db.load(mails, BODY_BYTES, "queued").await;
+    db.exec("VACUUM ANALYZE mail_queue").await;
+    let db_cpu_before = postgres_cpu();
     let daemon = Daemon::start(
         tablemail,
         dir,
@@ -391,9 +420,6 @@ async fn drain(tablemail: &Path, dir: &Path, mails: usize) -> Drain {
             ),
         ],
     );
-    let (cpu_before, _) = daemon.usage();
-    // One statement: every row becomes visible at one commit, like a burst.
-    db.load(mails, BODY_BYTES, "queued").await;
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         let left = db
@@ -408,7 +434,8 @@ async fn drain(tablemail: &Path, dir: &Path, mails: usize) -> Drain {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let (cpu_after, peak_rss_kib) = daemon.usage();
+    let (cpu, peak_rss_kib) = daemon.usage();
+    let db_cpu = postgres_cpu() - db_cpu_before;
     assert_eq!(
         daemon.errors(),
         0,
@@ -419,72 +446,45 @@ async fn drain(tablemail: &Path, dir: &Path, mails: usize) -> Drain {
         .i64("SELECT count(*) FROM mail_queue WHERE status = 'sent'")
         .await;
     assert_eq!(sent, mails as i64, "every row must end sent");
-    // Database clock: from the insert's commit to the last finalize.
+    // Database clock, from the first mail written as sent to the last.
     let seconds = db
-        .f64("SELECT EXTRACT(EPOCH FROM max(processed_at) - min(created_at))::float8 FROM mail_queue")
+        .f64("SELECT EXTRACT(EPOCH FROM max(processed_at) - min(processed_at))::float8 FROM mail_queue")
         .await;
     daemon.stop();
     std::thread::sleep(Duration::from_millis(200));
     let sink_count = sink.messages();
     assert_eq!(
-        sink_count, mails as u64,
+        sink_count, mails,
         "the sink must count every mail exactly once"
     );
     db.drop_db().await;
     Drain {
         rate: mails as f64 / seconds,
-        cpu_us_per_mail: (cpu_after - cpu_before) * 1e6 / mails as f64,
+        cpu_us_per_mail: cpu * 1e6 / mails as f64,
+        db_cpu_us_per_mail: db_cpu * 1e6 / mails as f64,
         peak_rss_mib: peak_rss_kib as f64 / 1024.0,
         sink_count,
     }
 }
 
-/// aiosmtpd from the test suite, which records when each mail arrived.
-struct Receiver {
-    child: Child,
-    port: u16,
-    out: PathBuf,
-}
-
-impl Receiver {
-    fn start(dir: &Path) -> Receiver {
-        let out = dir.join("latency.jsonl");
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/smtp_server.py");
-        let mut child = Command::new("python3")
-            .arg(script)
-            .arg("--out")
-            .arg(&out)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 with aiosmtpd");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let port = line
-            .trim()
-            .strip_prefix("PORT ")
-            .and_then(|p| p.parse().ok())
-            .expect("port");
-        Receiver { child, port, out }
+/// CPU seconds used so far by the PostgreSQL server's processes on this
+/// host (processes that ended in between are not counted).
+fn postgres_cpu() -> f64 {
+    let mut ticks = 0.0;
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let Some((head, tail)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        if !head.ends_with("(postgres") {
+            continue;
+        }
+        let f: Vec<&str> = tail.split_whitespace().collect();
+        ticks += f[11].parse::<f64>().unwrap_or(0.0) + f[12].parse::<f64>().unwrap_or(0.0);
     }
-
-    /// Arrival times of the mails received so far, in order.
-    fn arrivals(&self) -> Vec<f64> {
-        std::fs::read_to_string(&self.out)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| v["received_at"].as_f64())
-            .collect()
-    }
-}
-
-impl Drop for Receiver {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    ticks / clock_ticks()
 }
 
 fn unix_now() -> f64 {
@@ -494,37 +494,47 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
-/// Inserts one mail at a time into an idle daemon; milliseconds until the
-/// SMTP server has it, sorted.
-async fn pickup(db: &BenchDb, receiver: &Receiver, samples: usize) -> Vec<f64> {
+/// Inserts one mail at a time into an idle daemon; milliseconds from the
+/// INSERT's commit until the SMTP server has the mail, sorted, and the
+/// median time the INSERT itself took.
+async fn pickup(db: &BenchDb, sink: &Sink, samples: usize) -> (Vec<f64>, f64) {
     let mut latencies = Vec::with_capacity(samples);
-    let already = receiver.arrivals().len();
+    let mut inserts = Vec::with_capacity(samples);
+    let already = sink.messages();
     for i in 0..samples {
         // Let the daemon go idle between samples.
         tokio::time::sleep(Duration::from_millis(15 + (i % 7) as u64)).await;
-        let t0 = unix_now();
+        let before = unix_now();
         db.exec(&format!(
             "INSERT INTO mail_queue (to_address, subject, body) VALUES ('lat{i}@example.com', 'latency {i}', 'x')"
         ))
         .await;
+        let committed = unix_now();
+        inserts.push((committed - before) * 1000.0);
         let deadline = Instant::now() + Duration::from_secs(30);
         let arrived = loop {
-            let arrivals = receiver.arrivals();
-            if arrivals.len() > already + i {
-                break arrivals[already + i];
+            if let Some(t) = sink.arrival(already + i) {
+                break t;
             }
             assert!(Instant::now() < deadline, "sample {i} never arrived");
-            tokio::time::sleep(Duration::from_micros(500)).await;
+            tokio::time::sleep(Duration::from_micros(200)).await;
         };
-        latencies.push((arrived - t0) * 1000.0);
+        latencies.push((arrived - committed) * 1000.0);
     }
     latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    latencies
+    inserts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (latencies, percentile(&inserts, 0.5))
 }
 
-async fn latency(tablemail: &Path, dir: &Path, samples: usize) -> (Vec<f64>, Vec<f64>) {
+struct Latency {
+    notify: Vec<f64>,
+    insert_ms: f64,
+    polled: Vec<f64>,
+}
+
+async fn latency(tablemail: &Path, dir: &Path, samples: usize) -> Latency {
     let db = BenchDb::create(tablemail).await;
-    let receiver = Receiver::start(dir);
+    let sink = Sink::start();
     let daemon = Daemon::start(
         tablemail,
         dir,
@@ -533,20 +543,24 @@ async fn latency(tablemail: &Path, dir: &Path, samples: usize) -> (Vec<f64>, Vec
             ("TABLEMAIL__DATABASE__URL", db.url.clone()),
             (
                 "TABLEMAIL__TRANSPORT__URL",
-                format!("smtp://127.0.0.1:{}", receiver.port),
+                format!("smtp://127.0.0.1:{}", sink.port),
             ),
         ],
     );
-    // Warm the connection pool and the SMTP connection.
-    pickup(&db, &receiver, 5).await;
-    let notify = pickup(&db, &receiver, samples).await;
+    // Warm the connection pools on both sides.
+    pickup(&db, &sink, 5).await;
+    let (notify, insert_ms) = pickup(&db, &sink, samples).await;
     // Without the trigger, only worker.poll_interval (1s) finds new rows.
     db.exec("DROP TRIGGER mail_queue_notify ON mail_queue")
         .await;
-    let polled = pickup(&db, &receiver, 30).await;
+    let (polled, _) = pickup(&db, &sink, 30).await;
     daemon.stop();
     db.drop_db().await;
-    (notify, polled)
+    Latency {
+        notify,
+        insert_ms,
+        polled,
+    }
 }
 
 /// Median milliseconds of a 100-row claim over `rounds` claims.
@@ -602,7 +616,7 @@ async fn claim_cost(tablemail: &Path) -> (f64, f64, f64) {
 /// it, retention deletes sent rows after a minute. Mails per second, per minute.
 async fn soak(tablemail: &Path, dir: &Path, duration: Duration) -> (Vec<f64>, f64) {
     let db = BenchDb::create(tablemail).await;
-    let sink = Sink::start(dir, "soak");
+    let sink = Sink::start();
     let daemon = Daemon::start(
         tablemail,
         dir,
@@ -641,6 +655,11 @@ async fn soak(tablemail: &Path, dir: &Path, duration: Duration) -> (Vec<f64>, f6
     (per_minute, rss_kib as f64 / 1024.0)
 }
 
+/// One line of the report.
+fn line(label: impl std::fmt::Display, value: impl std::fmt::Display) {
+    println!("{:<46} {:>16}", label.to_string(), value.to_string());
+}
+
 #[tokio::main]
 async fn main() {
     if !std::env::args().any(|a| a == "--bench") {
@@ -653,105 +672,80 @@ async fn main() {
     let dir = scratch();
     println!("tablemail benchmark — {}", machine());
     println!(
-        "mails: {} with {} byte bodies; PostgreSQL at {}",
+        "{} mails with {} byte text bodies; PostgreSQL at {}",
         opts.mails,
         BODY_BYTES,
         admin_url()
     );
-
-    let ceiling = ceiling(&dir, opts.mails);
-    let d = drain(&tablemail, &dir, opts.mails).await;
     println!();
-    println!(
-        "{:<44} {:>12}",
+
+    let ceiling = ceiling(opts.mails);
+    let d = drain(&tablemail, &dir, opts.mails).await;
+    line(
         "smtp-source -d -s 16 into smtp-sink",
-        format!("{ceiling:.0}/s")
+        format!("{ceiling:.0}/s"),
     );
-    println!(
-        "{:<44} {:>12}",
+    line(
         "tablemail end to end (PostgreSQL -> smtp-sink)",
-        format!("{:.0}/s", d.rate)
+        format!("{:.0}/s", d.rate),
     );
-    println!(
-        "{:<44} {:>12}",
+    line(
         "ratio to the ceiling",
-        format!("{:.0}%", 100.0 * d.rate / ceiling)
+        format!("{:.0}%", 100.0 * d.rate / ceiling),
     );
-    println!(
-        "{:<44} {:>12}",
+    line(
         "daemon CPU per mail",
-        format!("{:.1} µs", d.cpu_us_per_mail)
+        format!("{:.1} µs", d.cpu_us_per_mail),
     );
-    println!(
-        "{:<44} {:>12}",
-        "daemon peak RSS",
-        format!("{:.1} MiB", d.peak_rss_mib)
+    line(
+        "PostgreSQL CPU per mail (same host)",
+        format!("{:.1} µs", d.db_cpu_us_per_mail),
     );
-    println!("{:<44} {:>12}", "mails the sink counted", d.sink_count);
+    line("daemon peak RSS", format!("{:.1} MiB", d.peak_rss_mib));
+    line("mails the sink counted", d.sink_count);
 
     if opts.latency {
-        let (notify, polled) = latency(&tablemail, &dir, opts.samples).await;
-        println!(
-            "{:<44} {:>12}",
-            format!("pickup p50 / p99, NOTIFY ({} samples)", notify.len()),
-            format!(
-                "{:.2} / {:.2} ms",
-                percentile(&notify, 0.5),
-                percentile(&notify, 0.99)
-            )
+        let l = latency(&tablemail, &dir, opts.samples).await;
+        let ms = |v: &[f64]| format!("{:.2} / {:.2} ms", percentile(v, 0.5), percentile(v, 0.99));
+        line(
+            format!("pickup p50 / p99, NOTIFY ({} samples)", l.notify.len()),
+            ms(&l.notify),
         );
-        println!(
-            "{:<44} {:>12}",
-            format!("pickup p50 / p99, polling 1s ({} samples)", polled.len()),
-            format!(
-                "{:.0} / {:.0} ms",
-                percentile(&polled, 0.5),
-                percentile(&polled, 0.99)
-            )
+        line(
+            "  the INSERT's own commit (median)",
+            format!("{:.2} ms", l.insert_ms),
+        );
+        line(
+            format!("pickup p50 / p99, polling 1s ({} samples)", l.polled.len()),
+            ms(&l.polled),
         );
     }
     if opts.claim_cost {
         let (small, large, finished) = claim_cost(&tablemail).await;
-        println!(
-            "{:<44} {:>12}",
+        line(
             "claim of 100, 10k due rows (median)",
-            format!("{small:.2} ms")
+            format!("{small:.2} ms"),
         );
-        println!(
-            "{:<44} {:>12}",
+        line(
             "claim of 100, 1M due rows (median)",
-            format!("{large:.2} ms")
+            format!("{large:.2} ms"),
         );
-        println!(
-            "{:<44} {:>12}",
+        line(
             "claim of 100, 10k due + 1M sent (median)",
-            format!("{finished:.2} ms")
+            format!("{finished:.2} ms"),
         );
-        println!(
-            "{:<44} {:>12}",
-            "1M due / 10k due",
-            format!("{:.2}x", large / small)
-        );
+        line("1M due / 10k due", format!("{:.2}x", large / small));
     }
     if let Some(duration) = opts.soak {
         let (per_minute, rss) = soak(&tablemail, &dir, duration).await;
         if let (Some(first), Some(last)) = (per_minute.first(), per_minute.last()) {
-            println!(
-                "{:<44} {:>12}",
-                "soak: first minute",
-                format!("{first:.0}/s")
-            );
-            println!("{:<44} {:>12}", "soak: last minute", format!("{last:.0}/s"));
-            println!(
-                "{:<44} {:>12}",
+            line("soak: first minute", format!("{first:.0}/s"));
+            line("soak: last minute", format!("{last:.0}/s"));
+            line(
                 "soak: last / first",
-                format!("{:.0}%", 100.0 * last / first)
+                format!("{:.0}%", 100.0 * last / first),
             );
-            println!(
-                "{:<44} {:>12}",
-                "soak: daemon peak RSS",
-                format!("{rss:.1} MiB")
-            );
+            line("soak: daemon peak RSS", format!("{rss:.1} MiB"));
         }
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -175,8 +175,30 @@ fn split_host_port(authority: &str, default_port: u16) -> Result<(String, u16), 
 
 /// Where mail goes: an SMTP relay or a directory of `.eml` files.
 pub enum Transport {
-    Smtp(SmtpPool),
+    Smtp(SmtpRelay),
     File(FileTransport),
+}
+
+/// One sender's connection to the relay, kept from mail to mail. Take one
+/// with [`Transport::session`], send through it with [`Transport::send`],
+/// give it back with [`Transport::recycle`]: up to `transport.pool_size` idle
+/// sessions stay connected for the next sender.
+#[derive(Default)]
+pub struct Session {
+    conn: Option<Connection>,
+    /// The MAIL/RCPT/DATA of the mail with this id went out with the previous
+    /// mail's end of data; their replies are still to be read.
+    pending: Option<i64>,
+    idle_since: Option<Instant>,
+}
+
+/// The mail a session will send next: with PIPELINING, its MAIL, RCPT and
+/// DATA ride in the same write as the current mail's end of data, so that a
+/// mail costs the relay one round-trip instead of two.
+#[derive(Clone, Copy)]
+pub struct Next<'a> {
+    pub id: i64,
+    pub mail: &'a PreparedMail,
 }
 
 impl Transport {
@@ -210,7 +232,7 @@ impl Transport {
                     }
                     (None, _) => None,
                 };
-                Ok(Transport::Smtp(SmtpPool {
+                Ok(Transport::Smtp(SmtpRelay {
                     host,
                     port,
                     tls,
@@ -226,10 +248,54 @@ impl Transport {
         }
     }
 
-    /// Delivers one prepared mail; `id` names the file of the file transport.
-    pub async fn send(&self, id: i64, mail: &PreparedMail) -> Result<Delivered, SendError> {
+    /// A session, connected already if an idle one was kept.
+    pub fn session(&self) -> Session {
         match self {
-            Transport::Smtp(pool) => pool.send(mail).await,
+            Transport::Smtp(relay) => relay.idle.lock().unwrap().pop().unwrap_or_default(),
+            Transport::File(_) => Session::default(),
+        }
+    }
+
+    /// Takes a session back: kept for reuse while fewer than
+    /// `transport.pool_size` are idle, closed otherwise.
+    pub async fn recycle(&self, mut session: Session) {
+        let Transport::Smtp(relay) = self else {
+            return;
+        };
+        let Some(conn) = session.conn.take() else {
+            return;
+        };
+        // An envelope sent ahead for a mail that will not follow leaves the
+        // relay mid-transaction: only closing gets out of that.
+        if session.pending.take().is_some() || conn.conn.has_broken() {
+            return;
+        }
+        {
+            let mut idle = relay.idle.lock().unwrap();
+            if idle.len() < relay.pool_size {
+                idle.push(Session {
+                    conn: Some(conn),
+                    pending: None,
+                    idle_since: Some(Instant::now()),
+                });
+                return;
+            }
+        }
+        relay.hang_up(conn.conn).await;
+    }
+
+    /// Delivers one prepared mail through `session`; `id` is its row (and
+    /// names the file of the file transport). `next`, when known, is the mail
+    /// this session sends after it.
+    pub async fn send(
+        &self,
+        session: &mut Session,
+        id: i64,
+        mail: &PreparedMail,
+        next: Option<Next<'_>>,
+    ) -> Result<Delivered, SendError> {
+        match self {
+            Transport::Smtp(relay) => relay.send(session, id, mail, next).await,
             Transport::File(file) => file.send(id, mail).await,
         }
     }
@@ -237,10 +303,10 @@ impl Transport {
     /// Opens (and closes) one session, as `tablemail check` does.
     pub async fn probe(&self) -> Result<String, SendError> {
         match self {
-            Transport::Smtp(pool) => {
-                let mut conn = pool.connect().await?;
+            Transport::Smtp(relay) => {
+                let mut conn = relay.connect().await?;
                 let info = conn.conn.server_info().to_string();
-                let _ = tokio::time::timeout(pool.timeout, conn.conn.quit()).await;
+                let _ = tokio::time::timeout(relay.timeout, conn.conn.quit()).await;
                 Ok(info)
             }
             Transport::File(file) => {
@@ -258,10 +324,12 @@ impl Transport {
 
     /// Closes idle connections politely.
     pub async fn close(&self) {
-        if let Transport::Smtp(pool) = self {
-            let idle: Vec<IdleConnection> = std::mem::take(&mut *pool.idle.lock().unwrap());
-            for mut c in idle {
-                let _ = tokio::time::timeout(pool.timeout, c.conn.conn.quit()).await;
+        if let Transport::Smtp(relay) = self {
+            let idle: Vec<Session> = std::mem::take(&mut *relay.idle.lock().unwrap());
+            for session in idle {
+                if let Some(conn) = session.conn {
+                    relay.hang_up(conn.conn).await;
+                }
             }
         }
     }
@@ -294,8 +362,8 @@ impl FileTransport {
 /// Reuse an idle connection without a NOOP if it rested less than this.
 const IDLE_CHECK_AFTER: Duration = Duration::from_secs(5);
 
-/// SMTP sessions to one relay, reused across mails.
-pub struct SmtpPool {
+/// An SMTP relay, and its idle sessions.
+pub struct SmtpRelay {
     host: String,
     port: u16,
     tls: TlsMode,
@@ -305,7 +373,7 @@ pub struct SmtpPool {
     timeout: Duration,
     data_timeout: Duration,
     pool_size: usize,
-    idle: Mutex<Vec<IdleConnection>>,
+    idle: Mutex<Vec<Session>>,
 }
 
 struct Connection {
@@ -315,11 +383,6 @@ struct Connection {
     /// The relay announced PIPELINING (RFC 2920): MAIL, RCPT and DATA go out
     /// in one write, which halves the round-trips of a mail.
     pipelining: bool,
-}
-
-struct IdleConnection {
-    conn: Connection,
-    since: Instant,
 }
 
 /// Where in the SMTP conversation a failure happened.
@@ -354,60 +417,83 @@ struct TxFailure {
     dot_sent: bool,
     /// The session cannot continue (a pipelined DATA was accepted).
     poisoned: bool,
+    /// The next mail's envelope went out with this end of data (and the
+    /// relay answered: the session is still in step).
+    pending: Option<i64>,
 }
 
-impl SmtpPool {
-    async fn send(&self, mail: &PreparedMail) -> Result<Delivered, SendError> {
-        // A reused connection may have been closed by the relay while idle; if
-        // it breaks before the relay said anything about this mail, try once
-        // more on a fresh one rather than blaming the mail or the relay.
+impl SmtpRelay {
+    async fn send(
+        &self,
+        session: &mut Session,
+        id: i64,
+        mail: &PreparedMail,
+        next: Option<Next<'_>>,
+    ) -> Result<Delivered, SendError> {
+        // This mail's envelope may be on its way already.
+        let mut sent_ahead = match session.pending.take() {
+            Some(pending) if pending == id && session.conn.is_some() => true,
+            Some(_) => {
+                // Sent ahead for a mail that is not this one: cannot follow.
+                session.conn = None;
+                false
+            }
+            None => false,
+        };
+        // A connection that breaks before the relay said anything about this
+        // mail died while idle, or with the mail before: try once more on a
+        // fresh one rather than blaming this mail or the relay.
         let mut fresh_retry = true;
         loop {
-            let (mut conn, reused) = match self.take_idle().await {
-                Some(conn) => (conn, true),
-                None => (self.connect().await?, false),
-            };
-            match self.transaction(&mut conn, mail).await {
-                Ok(delivered) => {
-                    self.put_back(conn);
+            let reused = session.conn.is_some();
+            if !reused {
+                session.conn = Some(self.connect().await?);
+                sent_ahead = false;
+            } else if !sent_ahead
+                && session
+                    .idle_since
+                    .is_some_and(|t| t.elapsed() >= IDLE_CHECK_AFTER)
+            {
+                let conn = session.conn.as_mut().expect("reused");
+                if timed(self.timeout, conn.conn.command(Noop)).await.is_err() {
+                    session.conn = None;
+                    continue;
+                }
+            }
+            session.idle_since = None;
+            let conn = session.conn.as_mut().expect("connected");
+            match self.transaction(conn, mail, sent_ahead, next).await {
+                Ok((delivered, pending)) => {
+                    session.pending = pending;
                     return Ok(delivered);
                 }
                 Err(f) => {
-                    let stale = reused
-                        && fresh_retry
-                        && f.stage == Stage::MailFrom
+                    let not_ours = fresh_retry
+                        && reused
+                        && f.stage != Stage::EndOfData
                         && f.reply.as_ref().is_none_or(|(code, _)| *code == 421);
-                    if stale {
+                    if not_ours {
                         fresh_retry = false;
+                        sent_ahead = false;
+                        session.conn = None;
                         continue;
                     }
                     let error = classify(&f);
-                    let keep = matches!(f.reply, Some((code, _)) if code != 421)
-                        && !f.poisoned
+                    let in_step = matches!(f.reply, Some((code, _)) if code != 421) && !f.poisoned;
+                    let keep = in_step
                         && (f.stage == Stage::EndOfData
                             || timed(self.timeout, conn.conn.command(Rset)).await.is_ok());
                     if keep {
-                        self.put_back(conn);
-                    } else {
-                        self.hang_up(conn.conn).await;
+                        session.pending = f.pending;
+                    } else if let Some(conn) = session.conn.take() {
+                        if in_step {
+                            self.hang_up(conn.conn).await;
+                        }
+                        // Otherwise the connection is out of step: just close it.
                     }
                     return Err(error);
                 }
             }
-        }
-    }
-
-    async fn take_idle(&self) -> Option<Connection> {
-        loop {
-            let idle = self.idle.lock().unwrap().pop()?;
-            let mut conn = idle.conn;
-            if idle.since.elapsed() < IDLE_CHECK_AFTER {
-                return Some(conn);
-            }
-            if timed(self.timeout, conn.conn.command(Noop)).await.is_ok() {
-                return Some(conn);
-            }
-            self.hang_up(conn.conn).await;
         }
     }
 
@@ -417,20 +503,6 @@ impl SmtpPool {
     async fn hang_up(&self, mut conn: AsyncSmtpConnection) {
         let limit = self.timeout.min(Duration::from_secs(1));
         let _ = tokio::time::timeout(limit, conn.abort()).await;
-    }
-
-    fn put_back(&self, conn: Connection) {
-        if conn.conn.has_broken() {
-            return;
-        }
-        let mut idle = self.idle.lock().unwrap();
-        if idle.len() < self.pool_size {
-            idle.push(IdleConnection {
-                conn,
-                since: Instant::now(),
-            });
-        }
-        // Beyond pool_size the connection is dropped; the relay sees the close.
     }
 
     /// Opens a session: TCP (NODELAY), TLS, greeting, EHLO, STARTTLS, AUTH.
@@ -520,38 +592,29 @@ impl SmtpPool {
         })
     }
 
-    /// MAIL, RCPT…, DATA, body: one command at a time, each under a timeout.
+    /// One mail: its envelope (unless it went ahead), then its content and
+    /// ".", followed in the same write by the next mail's envelope when the
+    /// relay pipelines. Every step under a timeout.
     async fn transaction(
         &self,
         conn: &mut Connection,
         mail: &PreparedMail,
-    ) -> Result<Delivered, TxFailure> {
-        let envelope = &mail.envelope;
-        let mut params = Vec::new();
-        let info = conn.conn.server_info();
-        let ascii = |a: &lettre::Address| AsRef::<str>::as_ref(a).is_ascii();
-        let non_ascii =
-            envelope.from().is_some_and(|a| !ascii(a)) || !envelope.to().iter().all(ascii);
-        if non_ascii && info.supports_feature(Extension::SmtpUtfEight) {
-            params.push(MailParameter::SmtpUtfEight);
-        }
-        if !mail.bytes.is_ascii() && info.supports_feature(Extension::EightBitMime) {
-            params.push(MailParameter::Body(MailBodyParameter::EightBitMime));
-        }
-        let mail_from = Mail::new(envelope.from().cloned(), params);
-        let rcpts: Vec<Rcpt> = envelope
-            .to()
-            .iter()
-            .map(|r| Rcpt::new(r.clone(), vec![]))
-            .collect();
-        if conn.pipelining {
-            self.pipelined_envelope(conn, mail_from, rcpts).await?;
+        sent_ahead: bool,
+        next: Option<Next<'_>>,
+    ) -> Result<(Delivered, Option<i64>), TxFailure> {
+        let rcpts = mail.envelope.to().len();
+        if sent_ahead {
+            self.envelope_replies(conn, None, rcpts).await?;
+        } else if conn.pipelining {
+            let group = envelope(conn, mail);
+            self.envelope_replies(conn, Some(&group), rcpts).await?;
         } else {
+            let group = envelope(conn, mail);
             step(
                 Stage::MailFrom,
-                timed(self.timeout, conn.conn.command(mail_from)).await,
+                timed(self.timeout, conn.conn.command(&group.mail_from)).await,
             )?;
-            for rcpt in rcpts {
+            for rcpt in &group.rcpts {
                 step(
                     Stage::RcptTo,
                     timed(self.timeout, conn.conn.command(rcpt)).await,
@@ -562,50 +625,64 @@ impl SmtpPool {
                 timed(self.timeout, conn.conn.command(Data)).await,
             )?;
         }
+        let ahead = next
+            .filter(|_| conn.pipelining)
+            .map(|n| (n.id, envelope(conn, n.mail)));
         let reads_before = conn.reads.load(Ordering::Relaxed);
-        let sent = match std::str::from_utf8(&mail.bytes) {
-            // The message, dot-stuffed, and "." in one write.
-            Ok(text) => timed(self.data_timeout, conn.conn.command(EndOfData(text))).await,
-            Err(_) => timed(self.data_timeout, conn.conn.message(&mail.bytes)).await,
+        let (sent, ahead) = match std::str::from_utf8(&mail.bytes) {
+            // The message, dot-stuffed, ".", and maybe the next envelope, in one write.
+            Ok(text) => {
+                let data = EndOfData {
+                    text,
+                    then: ahead.as_ref().map(|(_, group)| group),
+                };
+                let sent = timed(self.data_timeout, conn.conn.command(data)).await;
+                (sent, ahead.map(|(id, _)| id))
+            }
+            Err(_) => (
+                timed(self.data_timeout, conn.conn.message(&mail.bytes)).await,
+                None,
+            ),
         };
         match sent {
-            Ok(response) => Ok(Delivered {
-                code: code_number(response.code()),
-                reply: response.message().collect::<Vec<_>>().join(" "),
-            }),
+            Ok(response) => Ok((
+                Delivered {
+                    code: code_number(response.code()),
+                    reply: response.message().collect::<Vec<_>>().join(" "),
+                },
+                ahead,
+            )),
             Err(e) => {
-                // lettre reads the reply only after it wrote the body and ".":
-                // any read since DATA's reply means "." went out.
+                // lettre reads the reply only after it wrote everything: any
+                // read since DATA's reply means "." went out.
                 let dot_sent = conn.reads.load(Ordering::Relaxed) > reads_before;
-                Err(failure(Stage::EndOfData, e, dot_sent))
+                let mut f = failure(Stage::EndOfData, e, dot_sent);
+                if f.reply.is_some() {
+                    f.pending = ahead;
+                }
+                Err(f)
             }
         }
     }
-}
 
-impl SmtpPool {
-    /// MAIL, every RCPT and DATA in one write; then their replies, in order.
-    /// The first negative reply decides, and its stage is known exactly.
-    async fn pipelined_envelope(
+    /// The replies to MAIL, each RCPT and DATA, in order; `group` is written
+    /// first unless it went ahead. The first negative reply decides, and its
+    /// stage is known exactly.
+    async fn envelope_replies(
         &self,
         conn: &mut Connection,
-        mail_from: Mail,
-        rcpts: Vec<Rcpt>,
+        group: Option<&Envelope>,
+        rcpts: usize,
     ) -> Result<(), TxFailure> {
         let stages = std::iter::once(Stage::MailFrom)
-            .chain(rcpts.iter().map(|_| Stage::RcptTo))
+            .chain(std::iter::repeat_n(Stage::RcptTo, rcpts))
             .chain(std::iter::once(Stage::Data));
-        let group = Pipelined {
-            mail_from,
-            rcpts: &rcpts,
-        };
         let mut first_failure: Option<TxFailure> = None;
         let mut data_open = false;
         for (i, stage) in stages.enumerate() {
-            let reply = if i == 0 {
-                timed(self.timeout, conn.conn.command(&group)).await
-            } else {
-                timed(self.timeout, conn.conn.read_response()).await
+            let reply = match group {
+                Some(group) if i == 0 => timed(self.timeout, conn.conn.command(group)).await,
+                _ => timed(self.timeout, conn.conn.read_response()).await,
             };
             match reply {
                 Ok(_) if stage == Stage::Data => data_open = true,
@@ -632,14 +709,58 @@ impl SmtpPool {
     }
 }
 
+/// MAIL FROM (with SMTPUTF8/8BITMIME when needed and offered), then RCPT TO
+/// for every recipient, then DATA: as one pipelined group (RFC 2920), or one
+/// command at a time.
+struct Envelope {
+    mail_from: Mail,
+    rcpts: Vec<Rcpt>,
+}
+
+fn envelope(conn: &Connection, mail: &PreparedMail) -> Envelope {
+    let envelope = &mail.envelope;
+    let info = conn.conn.server_info();
+    let mut params = Vec::new();
+    let ascii = |a: &lettre::Address| AsRef::<str>::as_ref(a).is_ascii();
+    let non_ascii = envelope.from().is_some_and(|a| !ascii(a)) || !envelope.to().iter().all(ascii);
+    if non_ascii && info.supports_feature(Extension::SmtpUtfEight) {
+        params.push(MailParameter::SmtpUtfEight);
+    }
+    if !mail.bytes.is_ascii() && info.supports_feature(Extension::EightBitMime) {
+        params.push(MailParameter::Body(MailBodyParameter::EightBitMime));
+    }
+    Envelope {
+        mail_from: Mail::new(envelope.from().cloned(), params),
+        rcpts: envelope
+            .to()
+            .iter()
+            .map(|r| Rcpt::new(r.clone(), vec![]))
+            .collect(),
+    }
+}
+
+impl fmt::Display for Envelope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.mail_from)?;
+        for rcpt in &self.rcpts {
+            write!(f, "{rcpt}")?;
+        }
+        write!(f, "{Data}")
+    }
+}
+
 /// A message's content as sent after DATA's 354: every line that starts with
 /// "." gets a second one (RFC 5321 §4.5.2), then CRLF "." CRLF ends it, exactly
-/// as lettre's `message()` would send it, but in one write instead of two.
-struct EndOfData<'a>(&'a str);
+/// as lettre's `message()` would send it, but in one write instead of two;
+/// followed by the next mail's envelope when one rides along.
+struct EndOfData<'a> {
+    text: &'a str,
+    then: Option<&'a Envelope>,
+}
 
 impl fmt::Display for EndOfData<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut rest = self.0;
+        let mut rest = self.text;
         if rest.starts_with('.') {
             f.write_str(".")?;
         }
@@ -649,23 +770,11 @@ impl fmt::Display for EndOfData<'_> {
             rest = &rest[i + 3..];
         }
         f.write_str(rest)?;
-        f.write_str("\r\n.\r\n")
-    }
-}
-
-/// MAIL, RCPT… and DATA as one pipelined group (RFC 2920).
-struct Pipelined<'a> {
-    mail_from: Mail,
-    rcpts: &'a [Rcpt],
-}
-
-impl fmt::Display for Pipelined<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.mail_from)?;
-        for rcpt in self.rcpts {
-            write!(f, "{rcpt}")?;
+        f.write_str("\r\n.\r\n")?;
+        match self.then {
+            Some(envelope) => write!(f, "{envelope}"),
+            None => Ok(()),
         }
-        write!(f, "{Data}")
     }
 }
 
@@ -681,6 +790,7 @@ fn failure(stage: Stage, e: StepError, dot_sent: bool) -> TxFailure {
         detail: e.to_string(),
         dot_sent,
         poisoned: false,
+        pending: None,
     }
 }
 
@@ -903,7 +1013,11 @@ mod tests {
             ("no.dot.at.line.start", "no.dot.at.line.start\r\n.\r\n"),
         ];
         for (body, wire) in cases {
-            assert_eq!(EndOfData(body).to_string(), wire, "{body:?}");
+            let data = EndOfData {
+                text: body,
+                then: None,
+            };
+            assert_eq!(data.to_string(), wire, "{body:?}");
         }
     }
 
@@ -960,6 +1074,7 @@ mod tests {
             detail: "connection reset".into(),
             dot_sent,
             poisoned: false,
+            pending: None,
         })
     }
 

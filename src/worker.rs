@@ -10,7 +10,7 @@
 //! finished rows past their retention.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, VecDeque},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -24,11 +24,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::{Ambiguous, RetentionSettings, WorkerSettings},
-    mail::{self, MessageDefaults},
+    mail::{self, MessageDefaults, PreparedMail},
     retry,
     store::{BatchLock, Claim, FinalAction, Finalize, QueuedMail, Store, StoreError},
     telemetry::redact_addresses,
-    transport::{SendError, Transport},
+    transport::{Next, SendError, Session, Transport},
 };
 
 /// How long the finalizer waits for more outcomes before writing a group.
@@ -189,6 +189,65 @@ impl Held {
     }
 }
 
+/// A claimed row waiting for a lane, with the buffer slot it holds.
+struct Job {
+    mail: QueuedMail,
+    slot: Option<OwnedSemaphorePermit>,
+}
+
+/// A job with its message built, or its fate decided without sending.
+struct Ready {
+    job: Job,
+    prepared: Result<PreparedMail, FinalAction>,
+}
+
+impl Ready {
+    fn as_next(&self) -> Option<Next<'_>> {
+        self.prepared.as_ref().ok().map(|mail| Next {
+            id: self.job.mail.id,
+            mail,
+        })
+    }
+}
+
+/// Claimed rows in claim order, shared by the lanes.
+#[derive(Default)]
+struct MailQueue {
+    jobs: Mutex<VecDeque<Job>>,
+    ready: Notify,
+}
+
+impl MailQueue {
+    fn push(&self, jobs: impl IntoIterator<Item = Job>) {
+        self.jobs.lock().unwrap().extend(jobs);
+        self.ready.notify_waiters();
+    }
+
+    fn pop(&self) -> Option<Job> {
+        self.jobs.lock().unwrap().pop_front()
+    }
+
+    fn drain(&self) -> Vec<Job> {
+        self.jobs.lock().unwrap().drain(..).collect()
+    }
+
+    /// The next job, waiting for one; `None` once `stop` fires.
+    async fn next(&self, stop: &CancellationToken) -> Option<Job> {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(job) = self.pop() {
+                return Some(job);
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return None,
+                _ = notified => {}
+            }
+        }
+    }
+}
+
 /// Claims, sends and finalizes mails for one daemon.
 pub struct Worker {
     store: Arc<dyn Store>,
@@ -228,8 +287,8 @@ impl Worker {
         &self.relay
     }
 
-    /// Claims one batch, sends it (up to `worker.concurrency` at once) and
-    /// writes every outcome.
+    /// Claims one batch, sends it (up to `worker.concurrency` sessions at
+    /// once) and writes every outcome.
     pub async fn process_batch(self: &Arc<Self>) -> Result<BatchReport, StoreError> {
         let mails = self
             .claim(self.relay.claim_limit(self.settings.batch_size))
@@ -238,19 +297,22 @@ impl Worker {
             claimed: mails.len(),
             ..Default::default()
         };
-        let sending = Arc::new(Semaphore::new(self.settings.concurrency));
+        let lanes = self.settings.concurrency.min(mails.len());
+        let queue = Arc::new(MailQueue::default());
+        queue.push(mails.into_iter().map(|mail| Job { mail, slot: None }));
+        let (results, mut outcomes_rx) = mpsc::unbounded_channel();
         let mut tasks = JoinSet::new();
-        for mail in mails {
-            let worker = self.clone();
-            let sending = sending.clone();
-            tasks.spawn(async move {
-                let _permit = sending.acquire_owned().await;
-                worker.deliver(mail).await
-            });
+        for _ in 0..lanes {
+            let lane = self.clone().lane(queue.clone(), results.clone(), None);
+            tasks.spawn(lane);
+        }
+        drop(results);
+        while let Some(done) = tasks.join_next().await {
+            done.expect("a lane does not panic");
         }
         let mut outcomes = Vec::with_capacity(report.claimed);
-        while let Some(done) = tasks.join_next().await {
-            outcomes.push(done.expect("deliver does not panic"));
+        while let Ok((outcome, _)) = outcomes_rx.try_recv() {
+            outcomes.push(outcome);
         }
         let written = self.commit(&outcomes).await?;
         for (outcome, written) in outcomes.iter().zip(written) {
@@ -275,42 +337,94 @@ impl Worker {
         Ok(mails)
     }
 
-    /// Decides what becomes of one claimed mail, sending it if it can go.
-    async fn deliver(&self, mail: QueuedMail) -> Outcome {
-        let mut outcome = Outcome {
-            write: Finalize {
-                id: mail.id,
-                lock: mail.lock,
-                action: FinalAction::Release,
-            },
-            attempt: mail.attempts,
-            smtp_code: None,
-            elapsed_ms: 0,
-            recipient_domains: String::new(),
-            reply: None,
-            ambiguous: false,
-        };
-        if mail.expired {
-            outcome.write.action = FinalAction::Failed {
-                error: "expired".into(),
+    /// One sender: takes claimed mails off the queue and sends them through
+    /// its own SMTP session, one after the other. While it sends a mail it
+    /// looks at the next one waiting, so that its envelope can ride along with
+    /// this one's end of data. With `stop`, it waits for more work until
+    /// stopped; without, it ends when the queue is empty.
+    async fn lane(
+        self: Arc<Self>,
+        queue: Arc<MailQueue>,
+        results: mpsc::UnboundedSender<(Outcome, Option<OwnedSemaphorePermit>)>,
+        stop: Option<CancellationToken>,
+    ) {
+        let mut session: Option<Session> = None;
+        let mut current: Option<Ready> = None;
+        loop {
+            let ready = match current.take() {
+                Some(ready) => ready,
+                None => {
+                    let job = match queue.pop() {
+                        Some(job) => job,
+                        None => {
+                            // Idle: the connection goes back to the pool.
+                            if let Some(s) = session.take() {
+                                self.transport.recycle(s).await;
+                            }
+                            let Some(stop) = &stop else { break };
+                            match queue.next(stop).await {
+                                Some(job) => job,
+                                None => break,
+                            }
+                        }
+                    };
+                    self.ready(job)
+                }
             };
-            return outcome;
+            if stop.as_ref().is_some_and(|s| s.is_cancelled()) {
+                // Shutting down: nothing new goes out.
+                let _ = results.send((self.release(&ready.job.mail), ready.job.slot));
+                continue;
+            }
+            let next = queue.pop().map(|job| self.ready(job));
+            let session = session.get_or_insert_with(|| self.transport.session());
+            let outcome = self
+                .deliver(&ready, next.as_ref().and_then(Ready::as_next), session)
+                .await;
+            let _ = results.send((outcome, ready.job.slot));
+            current = next;
         }
-        if self.relay.paused_for().is_some() {
-            return outcome;
+        if let Some(s) = session.take() {
+            self.transport.recycle(s).await;
         }
-        let prepared = match mail::prepare(&mail, &self.defaults) {
-            Ok(p) => p,
-            Err(e) => {
-                outcome.write.action = FinalAction::Failed {
-                    error: e.to_string(),
-                };
+    }
+
+    /// Builds a job's message, or decides its fate without sending.
+    fn ready(&self, job: Job) -> Ready {
+        let prepared = if job.mail.expired {
+            Err(FinalAction::Failed {
+                error: "expired".into(),
+            })
+        } else {
+            mail::prepare(&job.mail, &self.defaults).map_err(|e| FinalAction::Failed {
+                error: e.to_string(),
+            })
+        };
+        Ready { job, prepared }
+    }
+
+    /// What becomes of one claimed mail: sent through `session` if it can go.
+    async fn deliver(
+        &self,
+        ready: &Ready,
+        next: Option<Next<'_>>,
+        session: &mut Session,
+    ) -> Outcome {
+        let mail = &ready.job.mail;
+        let mut outcome = self.release(mail);
+        let prepared = match &ready.prepared {
+            Ok(prepared) => prepared,
+            Err(action) => {
+                outcome.write.action = action.clone();
                 return outcome;
             }
         };
+        if self.relay.paused_for().is_some() {
+            return outcome;
+        }
         outcome.recipient_domains = prepared.recipient_domains.clone();
         let started = std::time::Instant::now();
-        let sent = self.transport.send(mail.id, &prepared).await;
+        let sent = self.transport.send(session, mail.id, prepared, next).await;
         outcome.elapsed_ms = started.elapsed().as_millis() as u64;
         let can_retry = mail.attempts_remaining > 0;
         let backoff = || {
@@ -399,20 +513,30 @@ impl Worker {
 
         let (results, finalizer_input) = mpsc::unbounded_channel();
         let mut finalizer = tokio::spawn(self.clone().finalize_loop(finalizer_input));
-        let mut sends = JoinSet::new();
-        self.claim_loop(&cancel, &results, &mut sends).await;
+        let queue = Arc::new(MailQueue::default());
+        let mut lanes = JoinSet::new();
+        for _ in 0..self.settings.concurrency {
+            let lane = self
+                .clone()
+                .lane(queue.clone(), results.clone(), Some(cancel.clone()));
+            lanes.spawn(lane);
+        }
+        self.claim_loop(&cancel, &queue).await;
 
-        // Shutdown: no new claims. Unstarted sends release their rows at once
-        // (they see `cancel`); in-flight ones get `shutdown_timeout` to finish.
+        // Shutdown: no new claims, no new sends. Mails still queued go back
+        // at once; those in flight get `shutdown_timeout` to finish.
+        for job in queue.drain() {
+            let _ = results.send((self.release(&job.mail), job.slot));
+        }
         let deadline = Instant::now() + self.settings.shutdown_timeout;
         tracing::info!(in_flight = self.held.len(), "shutting down: draining");
         loop {
             tokio::select! {
-                next = sends.join_next() => if next.is_none() { break },
+                next = lanes.join_next() => if next.is_none() { break },
                 _ = tokio::time::sleep_until(deadline) => {
-                    tracing::warn!(interrupted = sends.len(), "shutdown timeout: interrupting sends");
-                    sends.abort_all();
-                    while sends.join_next().await.is_some() {}
+                    tracing::warn!(interrupted = lanes.len(), "shutdown timeout: interrupting sends");
+                    lanes.abort_all();
+                    while lanes.join_next().await.is_some() {}
                     break;
                 }
             }
@@ -438,18 +562,12 @@ impl Worker {
         tracing::info!("worker stopped");
     }
 
-    /// Keeps a buffer of claimed rows and starts a send for each.
-    async fn claim_loop(
-        self: &Arc<Self>,
-        cancel: &CancellationToken,
-        results: &mpsc::UnboundedSender<(Outcome, OwnedSemaphorePermit)>,
-        sends: &mut JoinSet<()>,
-    ) {
+    /// Keeps the lanes' queue filled with claimed rows.
+    async fn claim_loop(self: &Arc<Self>, cancel: &CancellationToken, queue: &MailQueue) {
         let batch = self.settings.batch_size;
         // Claimed-but-unfinished rows: enough to keep every connection busy
         // while the next claim and the last commit are on their way.
         let slots = Arc::new(Semaphore::new(self.settings.concurrency + 2 * batch));
-        let sending = Arc::new(Semaphore::new(self.settings.concurrency));
         // Under load, claim at least half a batch at a time, not a row per
         // freed slot: one round-trip per row would cap throughput.
         let min_claim = (batch / 2).max(1);
@@ -500,32 +618,15 @@ impl Worker {
                 }
             };
             more_due = mails.len() == want;
-            for mail in mails {
-                let slot = permits.split(1).expect("one permit per claimed row");
-                let worker = self.clone();
-                let sending = sending.clone();
-                let results = results.clone();
-                let cancel = cancel.clone();
-                sends.spawn(async move {
-                    let outcome = tokio::select! {
-                        biased;
-                        _ = cancel.cancelled() => None,
-                        permit = sending.acquire_owned() => Some(permit),
-                    };
-                    let outcome = match outcome {
-                        Some(_permit) => worker.deliver(mail).await,
-                        None => worker.release(mail),
-                    };
-                    let _ = results.send((outcome, slot));
-                });
-            }
-            // Reap finished send tasks so the set does not grow without bound.
-            while sends.try_join_next().is_some() {}
+            queue.push(mails.into_iter().map(|mail| Job {
+                mail,
+                slot: permits.split(1),
+            }));
         }
     }
 
-    /// The outcome of a row given back unsent (shutdown).
-    fn release(&self, mail: QueuedMail) -> Outcome {
+    /// The outcome of a row given back unsent, its attempt refunded.
+    fn release(&self, mail: &QueuedMail) -> Outcome {
         Outcome {
             write: Finalize {
                 id: mail.id,
@@ -545,7 +646,7 @@ impl Worker {
     /// A database error is retried (the commit, never the send).
     async fn finalize_loop(
         self: Arc<Self>,
-        mut input: mpsc::UnboundedReceiver<(Outcome, OwnedSemaphorePermit)>,
+        mut input: mpsc::UnboundedReceiver<(Outcome, Option<OwnedSemaphorePermit>)>,
     ) {
         const MAX_GROUP: usize = 1000;
         // Under load, wait a moment for a fuller group: each statement and
@@ -567,7 +668,8 @@ impl Worker {
                     }
                 }
             }
-            let outcomes: Vec<Outcome> = group.iter().map(|(o, _)| o.clone()).collect();
+            let (outcomes, slots): (Vec<Outcome>, Vec<Option<OwnedSemaphorePermit>>) =
+                group.drain(..).unzip();
             let mut failures = 0u32;
             while let Err(e) = self.commit(&outcomes).await {
                 failures += 1;
@@ -578,7 +680,7 @@ impl Worker {
                 tokio::time::sleep(pause).await;
             }
             // Frees the buffer slots of these rows.
-            group.clear();
+            drop(slots);
         }
     }
 
@@ -698,11 +800,11 @@ impl Worker {
 
 fn log_outcome(o: &Outcome, written: bool) {
     let id = o.write.id;
-    let lock = o.write.lock.to_string();
+    let lock = &o.write.lock;
     if !written {
         tracing::warn!(
             mail_id = id,
-            lock,
+            %lock,
             attempt = o.attempt,
             "mail lock lost: outcome not written"
         );
@@ -716,7 +818,7 @@ fn log_outcome(o: &Outcome, written: bool) {
             let reply = o.reply.as_deref().map(redact_addresses);
             tracing::info!(
                 mail_id = id,
-                lock,
+                %lock,
                 attempt = o.attempt,
                 outcome = "sent",
                 smtp_code = code,
@@ -728,22 +830,22 @@ fn log_outcome(o: &Outcome, written: bool) {
         }
         FinalAction::Retry { delay, error } => {
             let outcome = if o.ambiguous { "ambiguous" } else { "retry" };
-            tracing::warn!(mail_id = id, lock, attempt = o.attempt, outcome, smtp_code = code,
+            tracing::warn!(mail_id = id, %lock, attempt = o.attempt, outcome, smtp_code = code,
                 elapsed_ms = elapsed, domain, retry_in_ms = delay.as_millis() as u64,
                 error = %redact_addresses(error), "mail retry scheduled")
         }
         FinalAction::Failed { error } => {
-            tracing::warn!(mail_id = id, lock, attempt = o.attempt, outcome = "failed", smtp_code = code,
+            tracing::warn!(mail_id = id, %lock, attempt = o.attempt, outcome = "failed", smtp_code = code,
                 elapsed_ms = elapsed, domain, error = %redact_addresses(error), "mail failed")
         }
         FinalAction::Unknown { error } => {
-            tracing::warn!(mail_id = id, lock, attempt = o.attempt, outcome = "ambiguous", smtp_code = code,
+            tracing::warn!(mail_id = id, %lock, attempt = o.attempt, outcome = "ambiguous", smtp_code = code,
                 elapsed_ms = elapsed, domain, error = %redact_addresses(error), "mail held as unknown")
         }
         FinalAction::Release => {
             tracing::info!(
                 mail_id = id,
-                lock,
+                %lock,
                 attempt = o.attempt,
                 outcome = "released",
                 "mail released"
