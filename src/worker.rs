@@ -81,6 +81,9 @@ impl BatchReport {
 #[derive(Debug, Default)]
 pub struct RelayGate {
     state: Mutex<GateState>,
+    /// Mirrors `state.failures != 0`, so that the common case (the relay
+    /// answers) takes no lock.
+    troubled: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -92,6 +95,9 @@ struct GateState {
 impl RelayGate {
     /// Time left in the current pause, if any.
     pub fn paused_for(&self) -> Option<Duration> {
+        if !self.troubled.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
         let state = self.state.lock().unwrap();
         let until = state.paused_until?;
         let now = Instant::now();
@@ -106,6 +112,8 @@ impl RelayGate {
             return;
         }
         state.failures += 1;
+        self.troubled
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         let pause = retry::relay_pause(state.failures, retry::jitter());
         state.paused_until = Some(now + pause);
         let reason = redact_addresses(&error.to_string());
@@ -122,16 +130,21 @@ impl RelayGate {
 
     /// A mail went through: the relay is back.
     fn reset(&self) {
+        if !self.troubled.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         let mut state = self.state.lock().unwrap();
         if state.failures > 0 {
             tracing::info!(failures = state.failures, "relay available again");
         }
         *state = GateState::default();
+        self.troubled
+            .store(false, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether the relay answered the last attempt (for health checks).
     pub fn is_up(&self) -> bool {
-        self.state.lock().unwrap().failures == 0
+        !self.troubled.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How many rows to claim: after the relay was found down, one row probes
@@ -510,6 +523,7 @@ impl Worker {
         let mut chores = JoinSet::new();
         chores.spawn(self.clone().renew_locks(background.clone()));
         chores.spawn(self.clone().sweep(background.clone()));
+        chores.spawn(self.clone().purge(background.clone()));
 
         let (results, finalizer_input) = mpsc::unbounded_channel();
         let mut finalizer = tokio::spawn(self.clone().finalize_loop(finalizer_input));
@@ -567,7 +581,7 @@ impl Worker {
         let batch = self.settings.batch_size;
         // Claimed-but-unfinished rows: enough to keep every connection busy
         // while the next claim and the last commit are on their way.
-        let slots = Arc::new(Semaphore::new(self.settings.concurrency + 2 * batch));
+        let slots = Arc::new(Semaphore::new(2 * self.settings.concurrency + 4 * batch));
         // Under load, claim at least half a batch at a time, not a row per
         // freed slot: one round-trip per row would cap throughput.
         let min_claim = (batch / 2).max(1);
@@ -699,12 +713,10 @@ impl Worker {
         }
     }
 
-    /// Releases stale locks of dead workers and purges finished rows.
+    /// Releases the stale locks of dead or stuck workers.
     async fn sweep(self: Arc<Self>, stop: CancellationToken) {
-        const PURGE_BATCH: usize = 1000;
         let every =
             (self.settings.lock_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(60));
-        let mut last_purge: Option<Instant> = None;
         loop {
             match self
                 .store
@@ -727,34 +739,45 @@ impl Worker {
                 Ok(_) => {}
                 Err(e) => tracing::warn!(error = %e, "stale lock sweep failed"),
             }
-            if last_purge.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                last_purge = Some(Instant::now());
-                let mut purged = 0;
-                loop {
-                    match self
-                        .store
-                        .purge(self.retention.sent, self.retention.failed, PURGE_BATCH)
-                        .await
-                    {
-                        Ok(n) => {
-                            purged += n;
-                            if (n as usize) < PURGE_BATCH || stop.is_cancelled() {
-                                break;
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "retention purge failed");
-                            break;
-                        }
-                    }
-                }
-                if purged > 0 {
-                    tracing::info!(count = purged, "finished rows purged");
-                }
-            }
             tokio::select! {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(every) => {}
+            }
+        }
+    }
+
+    /// Deletes finished rows past their retention, a bounded batch per
+    /// statement and a little every few seconds, so the table stays small
+    /// under a constant stream without bursts of deletes.
+    async fn purge(self: Arc<Self>, stop: CancellationToken) {
+        const PURGE_BATCH: usize = 1000;
+        const PURGE_EVERY: Duration = Duration::from_secs(5);
+        loop {
+            let mut purged = 0;
+            while !stop.is_cancelled() {
+                match self
+                    .store
+                    .purge(self.retention.sent, self.retention.failed, PURGE_BATCH)
+                    .await
+                {
+                    Ok(n) => {
+                        purged += n;
+                        if (n as usize) < PURGE_BATCH {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "retention purge failed");
+                        break;
+                    }
+                }
+            }
+            if purged > 0 {
+                tracing::debug!(count = purged, "finished rows purged");
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(PURGE_EVERY) => {}
             }
         }
     }
