@@ -11,8 +11,9 @@ use crate::{
     cli::{Command, EnqueueArgs, RetryArgs},
     config::Settings,
     mail::{self, MessageDefaults},
-    retry, shutdown,
+    metrics, retry, shutdown,
     store::{self, NewMail, RetrySelection, Store, StoreError},
+    systemd,
     telemetry::redact_addresses,
     transport::{Transport, TransportKind},
     worker::Worker,
@@ -141,13 +142,30 @@ async fn run(settings: &Settings) -> Result<()> {
         store.migrate().await?;
     }
     let worker = Worker::new(
-        store,
+        store.clone(),
         Arc::new(transport),
         settings.worker.clone(),
         settings.retention.clone(),
         defaults,
         mail::local_hostname(),
     );
+    if let Some(listen) = &settings.metrics.listen {
+        let addr = listen.parse().expect("validated with the configuration");
+        let listener = metrics::bind(addr)
+            .await
+            .map_err(|e| CommandError::Runtime(format!("metrics.listen {listen}: {e}")))?;
+        tracing::info!(listen = %listen, "serving /metrics and /healthz");
+        let serving = metrics::serve(
+            listener,
+            worker.clone(),
+            store,
+            settings.worker.lock_timeout,
+            cancel.clone(),
+        );
+        tokio::spawn(serving);
+    }
+    // Migrated, and the database answered: ready to work.
+    systemd::notify("READY=1");
     worker.run(cancel).await;
     Ok(())
 }
@@ -241,19 +259,67 @@ async fn enqueue(settings: &Settings, args: EnqueueArgs) -> Result<()> {
     Ok(())
 }
 
+/// What a failure came to, for counting: the SMTP reply code when the relay
+/// gave one ("RCPT TO: 550 …" -> "550"), otherwise a short kind.
+fn failure_kind(last_error: &str) -> String {
+    let code = last_error
+        .split_once(": ")
+        .map(|(_, rest)| rest)
+        .and_then(|rest| rest.get(..3))
+        .filter(|c| {
+            c.bytes().all(|b| b.is_ascii_digit()) && matches!(c.as_bytes()[0], b'4' | b'5')
+        });
+    if let Some(code) = code {
+        return code.to_string();
+    }
+    let kind = if last_error.starts_with("expired") {
+        "expired"
+    } else if last_error.starts_with("no reply after end of data") {
+        "no reply after \".\""
+    } else if last_error.starts_with("lock expired") {
+        "worker lost"
+    } else if last_error.contains("connection lost") {
+        "connection lost"
+    } else {
+        "invalid mail"
+    };
+    kind.to_string()
+}
+
 async fn status(settings: &Settings, json: bool) -> Result<()> {
     let store = connect(settings).await?;
     let mut stats = store.stats(settings.worker.lock_timeout).await?;
     for f in &mut stats.recent_failures {
         f.last_error = f.last_error.as_deref().map(redact_addresses);
     }
+    let mut by_kind: Vec<(String, i64)> = Vec::new();
+    for reason in store
+        .failure_reasons(Duration::from_secs(3600), 10_000)
+        .await?
+    {
+        let kind = failure_kind(&reason);
+        match by_kind.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => by_kind.push((kind, 1)),
+        }
+    }
+    by_kind.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    let rates = [
+        ("1m", stats.sent_last_1m as f64 / 60.0),
+        ("5m", stats.sent_last_5m as f64 / 300.0),
+        ("15m", stats.sent_last_15m as f64 / 900.0),
+    ];
     if json {
+        let object = |pairs: Vec<(String, serde_json::Value)>| {
+            serde_json::Value::Object(pairs.into_iter().collect())
+        };
         let value = serde_json::json!({
             "backend": store.backend().to_string(),
-            "counts": stats.counts.iter().map(|c| (c.status.clone(), serde_json::Value::from(c.count))).collect::<serde_json::Map<_, _>>(),
+            "counts": object(stats.counts.iter().map(|c| (c.status.clone(), c.count.into())).collect()),
             "oldest_due_age_seconds": stats.oldest_due_age_seconds,
             "stale_locks": stats.stale_locks,
-            "sent_last_5m": stats.sent_last_5m,
+            "sent_per_second": object(rates.iter().map(|(k, v)| (k.to_string(), (*v).into())).collect()),
+            "failures_last_hour": object(by_kind.iter().map(|(k, n)| (k.clone(), (*n).into())).collect()),
             "recent_failures": stats.recent_failures,
         });
         println!("{value}");
@@ -284,14 +350,21 @@ async fn status(settings: &Settings, json: bool) -> Result<()> {
                 None => "nothing due".into(),
             },
             "sending" => format!("{} stale locks", stats.stale_locks),
-            "sent" => format!(
-                "{} in the last 5 minutes ({:.1}/s)",
-                stats.sent_last_5m,
-                stats.sent_last_5m as f64 / 300.0
-            ),
             _ => String::new(),
         };
         println!("  {s:<10} {:>10}  {note}", count(s));
+    }
+    println!(
+        "sent per second: {:.1} over the last minute, {:.1} over 5 minutes, {:.1} over 15 minutes",
+        rates[0].1, rates[1].1, rates[2].1
+    );
+    if by_kind.is_empty() {
+        println!("no failures in the last hour");
+    } else {
+        println!("failures in the last hour, by reply:");
+        for (kind, n) in &by_kind {
+            println!("  {kind:<24} {n:>8}");
+        }
     }
     if !stats.recent_failures.is_empty() {
         println!("recent failures:");
@@ -395,5 +468,38 @@ async fn check(settings: &Settings) -> Result<()> {
             "check failed: {}",
             problems.join(", ")
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::failure_kind;
+
+    #[test]
+    fn failures_are_counted_by_reply_code_or_kind() {
+        assert_eq!(
+            failure_kind("RCPT TO: 550 5.1.1 <***@x.org>: unknown"),
+            "550"
+        );
+        assert_eq!(failure_kind("end of data: 554 5.7.1 spam"), "554");
+        assert_eq!(failure_kind("MAIL FROM: 451 4.3.0 try later"), "451");
+        assert_eq!(failure_kind("expired"), "expired");
+        assert_eq!(
+            failure_kind("no reply after end of data: timed out after 10m"),
+            "no reply after \".\""
+        );
+        assert_eq!(
+            failure_kind("lock expired: the worker stopped during the last attempt"),
+            "worker lost"
+        );
+        assert_eq!(
+            failure_kind("DATA: connection lost before end of data: reset"),
+            "connection lost"
+        );
+        assert_eq!(
+            failure_kind("invalid address in to_address: …"),
+            "invalid mail"
+        );
+        assert_eq!(failure_kind("CR or LF in subject"), "invalid mail");
     }
 }

@@ -60,6 +60,21 @@ pub enum SendError {
 }
 
 impl SendError {
+    /// The relay says it is sent too much: a 421, or a 4.7.x enhanced status
+    /// (RFC 3463), as in "451 4.7.1 Rate limit exceeded".
+    pub fn is_throttling(&self) -> bool {
+        match self {
+            SendError::RelayDown {
+                code: Some(421), ..
+            } => true,
+            SendError::Transient {
+                code: Some(400..=499),
+                reason,
+            } => reason.split_whitespace().any(|w| w.starts_with("4.7.")),
+            _ => false,
+        }
+    }
+
     pub fn code(&self) -> Option<u16> {
         match self {
             SendError::RelayDown { code, .. }
@@ -1120,6 +1135,15 @@ mod tests {
             tx(Stage::Data, None, false),
             SendError::Transient { code: None, .. }
         ));
+        assert!(tx(
+            Stage::MailFrom,
+            Some((451, "4.7.1 Rate limit exceeded")),
+            false
+        )
+        .is_throttling());
+        assert!(tx(Stage::Data, Some((421, "4.3.2 Too busy")), false).is_throttling());
+        assert!(!tx(Stage::RcptTo, Some((451, "4.3.0 Try later")), false).is_throttling());
+        assert!(!tx(Stage::RcptTo, Some((550, "5.7.1 Relaying denied")), false).is_throttling());
         let reason = tx(Stage::RcptTo, Some((550, "5.1.1 unknown")), false).to_string();
         assert_eq!(reason, "RCPT TO: 550 5.1.1 unknown");
     }

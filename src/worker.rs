@@ -11,7 +11,10 @@
 
 use std::{
     collections::{HashMap, VecDeque},
-    sync::{Arc, Mutex},
+    sync::{
+        atomic::{AtomicU64, Ordering as AtomicOrdering},
+        Arc, Mutex,
+    },
     time::Duration,
 };
 
@@ -25,8 +28,11 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     config::{Ambiguous, RetentionSettings, WorkerSettings},
     mail::{self, MessageDefaults, PreparedMail},
+    metrics::Metrics,
+    pace::Pace,
     retry,
     store::{BatchLock, Claim, FinalAction, Finalize, QueuedMail, Store, StoreError},
+    systemd,
     telemetry::redact_addresses,
     transport::{Next, SendError, Session, Transport},
 };
@@ -263,6 +269,11 @@ impl MailQueue {
 
 /// Claims, sends and finalizes mails for one daemon.
 pub struct Worker {
+    metrics: Metrics,
+    pace: Pace,
+    /// When the database last answered a claim or a commit, in ms since `born`.
+    db_answered_ms: AtomicU64,
+    born: std::time::Instant,
     store: Arc<dyn Store>,
     transport: Arc<Transport>,
     settings: WorkerSettings,
@@ -284,6 +295,10 @@ impl Worker {
         message_id_domain: String,
     ) -> Arc<Worker> {
         Arc::new(Worker {
+            metrics: Metrics::default(),
+            pace: Pace::new(settings.rate_limit),
+            db_answered_ms: AtomicU64::new(0),
+            born: std::time::Instant::now(),
             store,
             transport,
             settings,
@@ -298,6 +313,22 @@ impl Worker {
 
     pub fn relay(&self) -> &RelayGate {
         &self.relay
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The database answered just now.
+    fn database_answered(&self) {
+        let now = self.born.elapsed().as_millis() as u64;
+        self.db_answered_ms.store(now, AtomicOrdering::Relaxed);
+    }
+
+    /// Whether the database answered within `window`.
+    fn database_answered_within(&self, window: Duration) -> bool {
+        let last = Duration::from_millis(self.db_answered_ms.load(AtomicOrdering::Relaxed));
+        self.born.elapsed().saturating_sub(last) <= window
     }
 
     /// Claims one batch, sends it (up to `worker.concurrency` sessions at
@@ -343,6 +374,7 @@ impl Worker {
             message_id_domain: &self.message_id_domain,
         };
         let mut mails = self.store.claim_batch(&claim).await?;
+        self.database_answered();
         self.held.add(&mails);
         // The database returns them in no particular order; start the most
         // important ones first.
@@ -436,9 +468,15 @@ impl Worker {
             return outcome;
         }
         outcome.recipient_domains = prepared.recipient_domains.clone();
+        self.pace.turn().await;
         let started = std::time::Instant::now();
         let sent = self.transport.send(session, mail.id, prepared, next).await;
         outcome.elapsed_ms = started.elapsed().as_millis() as u64;
+        match &sent {
+            Ok(_) => self.pace.went_through(),
+            Err(e) if e.is_throttling() => self.pace.throttled(),
+            Err(_) => {}
+        }
         let can_retry = mail.attempts_remaining > 0;
         let backoff = || {
             retry::retry_delay(
@@ -495,6 +533,7 @@ impl Worker {
         }
         let writes: Vec<Finalize> = outcomes.iter().map(|o| o.write.clone()).collect();
         let written = self.store.finalize(&writes).await?;
+        self.database_answered();
         self.held.remove(outcomes.iter().map(|o| o.write.id));
         let written: std::collections::HashSet<i64> = written.into_iter().collect();
         Ok(outcomes
@@ -502,6 +541,7 @@ impl Worker {
             .map(|o| {
                 let ok = written.contains(&o.write.id);
                 log_outcome(o, ok);
+                self.metrics.record(o, ok);
                 ok
             })
             .collect())
@@ -521,6 +561,9 @@ impl Worker {
         );
         let background = CancellationToken::new();
         let mut chores = JoinSet::new();
+        if let Some(interval) = systemd::watchdog_interval() {
+            chores.spawn(self.clone().watchdog(interval, background.clone()));
+        }
         chores.spawn(self.clone().renew_locks(background.clone()));
         chores.spawn(self.clone().sweep(background.clone()));
         chores.spawn(self.clone().purge(background.clone()));
@@ -539,6 +582,7 @@ impl Worker {
 
         // Shutdown: no new claims, no new sends. Mails still queued go back
         // at once; those in flight get `shutdown_timeout` to finish.
+        systemd::notify("STOPPING=1");
         for job in queue.drain() {
             let _ = results.send((self.release(&job.mail), job.slot));
         }
@@ -698,6 +742,21 @@ impl Worker {
         }
     }
 
+    /// Tells systemd the worker is alive, but only while the database answers
+    /// its claims and commits (an idle worker still claims every poll).
+    async fn watchdog(self: Arc<Self>, interval: Duration, stop: CancellationToken) {
+        let alive = interval.max(self.settings.poll_interval * 3);
+        loop {
+            if self.database_answered_within(alive) {
+                systemd::notify("WATCHDOG=1");
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                _ = tokio::time::sleep(interval / 3) => {}
+            }
+        }
+    }
+
     /// Renews `locked_at` of held rows, so only a dead worker's rows go stale.
     async fn renew_locks(self: Arc<Self>, stop: CancellationToken) {
         let every = self.settings.lock_timeout / 3;
@@ -748,10 +807,13 @@ impl Worker {
 
     /// Deletes finished rows past their retention, a bounded batch per
     /// statement and a little every few seconds, so the table stays small
-    /// under a constant stream without bursts of deletes.
+    /// under a constant stream without bursts of deletes; and, every half
+    /// minute, lets the store vacuum if the database does not.
     async fn purge(self: Arc<Self>, stop: CancellationToken) {
         const PURGE_BATCH: usize = 1000;
         const PURGE_EVERY: Duration = Duration::from_secs(5);
+        const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
+        let mut last_maintained = Instant::now();
         loop {
             let mut purged = 0;
             while !stop.is_cancelled() {
@@ -774,6 +836,14 @@ impl Worker {
             }
             if purged > 0 {
                 tracing::debug!(count = purged, "finished rows purged");
+            }
+            if last_maintained.elapsed() >= MAINTAIN_EVERY {
+                last_maintained = Instant::now();
+                match self.store.maintain().await {
+                    Ok(Some(done)) => tracing::info!(done, "table maintenance"),
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!(error = %e, "table maintenance failed"),
+                }
             }
             tokio::select! {
                 _ = stop.cancelled() => return,

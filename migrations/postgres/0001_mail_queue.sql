@@ -45,7 +45,8 @@ WITH (
     fillfactor = 70,
     autovacuum_vacuum_scale_factor = 0.02,
     autovacuum_analyze_scale_factor = 0.02,
-    autovacuum_vacuum_insert_scale_factor = 0.05
+    autovacuum_vacuum_insert_scale_factor = 0.05,
+    autovacuum_vacuum_cost_limit = 2000
 );
 
 -- Claim order of pending rows; partial so finished rows never make it grow.

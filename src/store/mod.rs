@@ -289,8 +289,10 @@ pub struct QueueStats {
     pub oldest_due_age_seconds: Option<f64>,
     /// `sending` rows whose lock is older than the lock timeout.
     pub stale_locks: i64,
-    /// Rows sent in the last five minutes.
+    /// Rows sent in the last minute, five minutes, fifteen minutes.
+    pub sent_last_1m: i64,
     pub sent_last_5m: i64,
+    pub sent_last_15m: i64,
     pub recent_failures: Vec<RecentFailure>,
 }
 
@@ -327,6 +329,10 @@ pub trait Store: Send + Sync + 'static {
     /// Counts and ages for `tablemail status`.
     async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats>;
 
+    /// `last_error` of up to `limit` rows that ended `failed` or `unknown`
+    /// within `within`, newest first.
+    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>>;
+
     /// `failed`/`unknown` rows back to `queued` with `attempts` fresh tries.
     async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64>;
 
@@ -335,6 +341,13 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes up to `limit` finished rows past their retention.
     async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64>;
+
+    /// Housekeeping the database may need from us: PostgreSQL with
+    /// autovacuum off (or far behind) gets its dead rows vacuumed, since they
+    /// slow every claim. Returns what was done, if anything.
+    async fn maintain(&self) -> Result<Option<String>> {
+        Ok(None)
+    }
 
     /// Starts a task that calls `wake.notify_one()` when new rows may be due,
     /// and names the mechanism; `None`: the backend is only polled.

@@ -149,7 +149,19 @@ SELECT
     (SELECT COUNT(*) FROM mail_queue
       WHERE status = 'sending' AND locked_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) AS stale,
     (SELECT COUNT(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 5 MINUTE) AS sent_5m
+      WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE) AS sent_1m,
+    (SELECT COUNT(*) FROM mail_queue
+      WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 5 MINUTE) AS sent_5m,
+    (SELECT COUNT(*) FROM mail_queue
+      WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 15 MINUTE) AS sent_15m
+"#;
+
+const FAILURE_REASONS: &str = r#"
+SELECT COALESCE(last_error, '') FROM mail_queue
+WHERE status IN ('failed', 'unknown')
+  AND processed_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+ORDER BY processed_at DESC
+LIMIT ?
 "#;
 
 const RECENT_FAILURES: &str = r#"
@@ -171,10 +183,17 @@ UPDATE mail_queue SET status = 'cancelled', processed_at = UTC_TIMESTAMP(6)
 WHERE id = ? AND status = 'queued'
 "#;
 
-const PURGE: &str = r#"
+const PURGE_SENT: &str = r#"
 DELETE FROM mail_queue
-WHERE (status = 'sent' AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)
-   OR (status IN ('failed', 'cancelled') AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND)
+WHERE status = 'sent' AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+ORDER BY processed_at
+LIMIT ?
+"#;
+
+const PURGE_FAILED: &str = r#"
+DELETE FROM mail_queue
+WHERE status IN ('failed', 'cancelled') AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+ORDER BY processed_at
 LIMIT ?
 "#;
 
@@ -386,9 +405,19 @@ impl Store for MySqlStore {
             counts,
             oldest_due_age_seconds: ages.try_get("oldest_due")?,
             stale_locks: ages.try_get("stale")?,
+            sent_last_1m: ages.try_get("sent_1m")?,
             sent_last_5m: ages.try_get("sent_5m")?,
+            sent_last_15m: ages.try_get("sent_15m")?,
             recent_failures,
         })
+    }
+
+    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(FAILURE_REASONS)
+            .bind(micros(within))
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await?)
     }
 
     async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
@@ -411,12 +440,19 @@ impl Store for MySqlStore {
     }
 
     async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
-        let done = sqlx::query(PURGE)
-            .bind(micros(sent))
-            .bind(micros(failed))
-            .bind(limit as i64)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+        let mut deleted = 0;
+        for (sql, age) in [(PURGE_SENT, sent), (PURGE_FAILED, failed)] {
+            let left = limit as u64 - deleted;
+            if left == 0 {
+                break;
+            }
+            let done = sqlx::query(sql)
+                .bind(micros(age))
+                .bind(left as i64)
+                .execute(&self.pool)
+                .await?;
+            deleted += done.rows_affected();
+        }
+        Ok(deleted)
     }
 }

@@ -137,7 +137,18 @@ SELECT
     (SELECT count(*) FROM mail_queue
       WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond') AS stale,
     (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > now() - interval '5 minutes') AS sent_5m
+      WHERE status = 'sent' AND processed_at > now() - interval '1 minute') AS sent_1m,
+    (SELECT count(*) FROM mail_queue
+      WHERE status = 'sent' AND processed_at > now() - interval '5 minutes') AS sent_5m,
+    (SELECT count(*) FROM mail_queue
+      WHERE status = 'sent' AND processed_at > now() - interval '15 minutes') AS sent_15m
+"#;
+
+const FAILURE_REASONS: &str = r#"
+SELECT coalesce(last_error, '') FROM mail_queue
+WHERE status IN ('failed', 'unknown') AND processed_at > now() - $1 * interval '1 millisecond'
+ORDER BY processed_at DESC
+LIMIT $2
 "#;
 
 const RECENT_FAILURES: &str = r#"
@@ -159,14 +170,35 @@ UPDATE mail_queue SET status = 'cancelled', processed_at = now()
 WHERE id = $1 AND status = 'queued'
 "#;
 
-const PURGE: &str = r#"
+// Two statements, each walking the retention index in order: an OR of the
+// two conditions made the planner scan the whole table.
+const PURGE_SENT: &str = r#"
 DELETE FROM mail_queue WHERE id IN (
     SELECT id FROM mail_queue
-    WHERE (status = 'sent' AND processed_at < now() - $1 * interval '1 millisecond')
-       OR (status IN ('failed', 'cancelled') AND processed_at < now() - $2 * interval '1 millisecond')
-    LIMIT $3
+    WHERE status = 'sent' AND processed_at < now() - $1 * interval '1 millisecond'
+    ORDER BY processed_at
+    LIMIT $2
 )
 "#;
+
+const PURGE_FAILED: &str = r#"
+DELETE FROM mail_queue WHERE id IN (
+    SELECT id FROM mail_queue
+    WHERE status IN ('failed', 'cancelled') AND processed_at < now() - $1 * interval '1 millisecond'
+    ORDER BY processed_at
+    LIMIT $2
+)
+"#;
+
+const DEAD_ROWS: &str = r#"
+SELECT n_dead_tup, n_live_tup, current_setting('autovacuum') = 'on' AS autovacuum,
+       EXTRACT(EPOCH FROM now() - GREATEST(last_autovacuum, last_vacuum))::float8 AS since_vacuum
+FROM pg_stat_user_tables WHERE relid = 'mail_queue'::regclass
+"#;
+
+/// One vacuum at a time across daemons (a session-level advisory lock).
+const VACUUM_LOCK: &str = "SELECT pg_try_advisory_lock(7261736877)";
+const VACUUM_UNLOCK: &str = "SELECT pg_advisory_unlock(7261736877)";
 
 const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = $1";
 
@@ -350,9 +382,19 @@ impl Store for PgStore {
             counts,
             oldest_due_age_seconds: ages.try_get("oldest_due")?,
             stale_locks: ages.try_get("stale")?,
+            sent_last_1m: ages.try_get("sent_1m")?,
             sent_last_5m: ages.try_get("sent_5m")?,
+            sent_last_15m: ages.try_get("sent_15m")?,
             recent_failures,
         })
+    }
+
+    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(FAILURE_REASONS)
+            .bind(millis(within))
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await?)
     }
 
     async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
@@ -377,13 +419,53 @@ impl Store for PgStore {
     }
 
     async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
-        let done = sqlx::query(PURGE)
-            .bind(millis(sent))
-            .bind(millis(failed))
-            .bind(limit as i64)
-            .execute(&self.pool)
+        let mut deleted = 0;
+        for (sql, age) in [(PURGE_SENT, sent), (PURGE_FAILED, failed)] {
+            let left = limit as u64 - deleted;
+            if left == 0 {
+                break;
+            }
+            let done = sqlx::query(sql)
+                .bind(millis(age))
+                .bind(left as i64)
+                .execute(&self.pool)
+                .await?;
+            deleted += done.rows_affected();
+        }
+        Ok(deleted)
+    }
+
+    async fn maintain(&self) -> Result<Option<String>> {
+        let stats = sqlx::query(DEAD_ROWS).fetch_optional(&self.pool).await?;
+        let Some(stats) = stats else {
+            return Ok(None);
+        };
+        let dead: i64 = stats.try_get("n_dead_tup")?;
+        let live: i64 = stats.try_get("n_live_tup")?;
+        let autovacuum: bool = stats.try_get("autovacuum")?;
+        let since: Option<f64> = stats.try_get("since_vacuum")?;
+        // Autovacuum normally keeps up; step in when it is off, or when it
+        // has left a large share of dead rows for ten minutes.
+        let behind = !autovacuum || since.is_none_or(|s| s > 600.0);
+        if dead < 10_000 || dead < live / 5 || !behind {
+            return Ok(None);
+        }
+        let mut conn = self.pool.acquire().await?;
+        let locked: bool = sqlx::query_scalar(VACUUM_LOCK)
+            .fetch_one(&mut *conn)
             .await?;
-        Ok(done.rows_affected())
+        if !locked {
+            return Ok(None); // another daemon is at it
+        }
+        let vacuumed = sqlx::query("VACUUM (ANALYZE) mail_queue")
+            .execute(&mut *conn)
+            .await;
+        sqlx::query(VACUUM_UNLOCK).execute(&mut *conn).await?;
+        vacuumed?;
+        Ok(Some(format!(
+            "vacuumed mail_queue: {dead} dead rows (autovacuum {})",
+            if autovacuum { "behind" } else { "off" }
+        )))
     }
 
     fn spawn_wakeup_listener(

@@ -135,7 +135,19 @@ SELECT
     (SELECT count(*) FROM mail_queue
       WHERE status = 'sending' AND julianday(locked_at) < julianday('now') - ?1 / 86400000.0) AS stale,
     (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-5 minutes')) AS sent_5m
+      WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-1 minutes')) AS sent_1m,
+    (SELECT count(*) FROM mail_queue
+      WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-5 minutes')) AS sent_5m,
+    (SELECT count(*) FROM mail_queue
+      WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-15 minutes')) AS sent_15m
+"#;
+
+const FAILURE_REASONS: &str = r#"
+SELECT coalesce(last_error, '') FROM mail_queue
+WHERE status IN ('failed', 'unknown')
+  AND julianday(processed_at) > julianday('now') - ?1 / 86400000.0
+ORDER BY processed_at DESC
+LIMIT ?2
 "#;
 
 const RECENT_FAILURES: &str = r#"
@@ -158,12 +170,22 @@ UPDATE mail_queue SET status = 'cancelled', processed_at = strftime('%Y-%m-%d %H
 WHERE id = ?1 AND status = 'queued'
 "#;
 
-const PURGE: &str = r#"
+const PURGE_SENT: &str = r#"
 DELETE FROM mail_queue WHERE id IN (
     SELECT id FROM mail_queue
-    WHERE (status = 'sent' AND julianday(processed_at) < julianday('now') - ?1 / 86400000.0)
-       OR (status IN ('failed', 'cancelled') AND julianday(processed_at) < julianday('now') - ?2 / 86400000.0)
-    LIMIT ?3
+    WHERE status = 'sent' AND julianday(processed_at) < julianday('now') - ?1 / 86400000.0
+    ORDER BY processed_at
+    LIMIT ?2
+)
+"#;
+
+const PURGE_FAILED: &str = r#"
+DELETE FROM mail_queue WHERE id IN (
+    SELECT id FROM mail_queue
+    WHERE status IN ('failed', 'cancelled')
+      AND julianday(processed_at) < julianday('now') - ?1 / 86400000.0
+    ORDER BY processed_at
+    LIMIT ?2
 )
 "#;
 
@@ -324,9 +346,19 @@ impl Store for SqliteStore {
             counts,
             oldest_due_age_seconds: ages.try_get("oldest_due")?,
             stale_locks: ages.try_get("stale")?,
+            sent_last_1m: ages.try_get("sent_1m")?,
             sent_last_5m: ages.try_get("sent_5m")?,
+            sent_last_15m: ages.try_get("sent_15m")?,
             recent_failures,
         })
+    }
+
+    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>> {
+        Ok(sqlx::query_scalar(FAILURE_REASONS)
+            .bind(millis(within))
+            .bind(limit as i64)
+            .fetch_all(&self.pool)
+            .await?)
     }
 
     async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
@@ -348,13 +380,20 @@ impl Store for SqliteStore {
     }
 
     async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
-        let done = sqlx::query(PURGE)
-            .bind(millis(sent))
-            .bind(millis(failed))
-            .bind(limit as i64)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+        let mut deleted = 0;
+        for (sql, age) in [(PURGE_SENT, sent), (PURGE_FAILED, failed)] {
+            let left = limit as u64 - deleted;
+            if left == 0 {
+                break;
+            }
+            let done = sqlx::query(sql)
+                .bind(millis(age))
+                .bind(left as i64)
+                .execute(&self.pool)
+                .await?;
+            deleted += done.rows_affected();
+        }
+        Ok(deleted)
     }
 
     fn spawn_wakeup_listener(

@@ -428,6 +428,9 @@ macro_rules! for_each_backend {
 /// A mail the SMTP server accepted (or, in `attempts`, saw end of data of).
 #[derive(Debug, Clone, serde::Deserialize)]
 pub struct Received {
+    /// When the server had the whole mail (unix time).
+    #[serde(default)]
+    pub received_at: Option<f64>,
     pub mail_from: String,
     pub rcpt_tos: Vec<String>,
     pub data: String,

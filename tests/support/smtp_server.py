@@ -8,6 +8,7 @@ to --out + ".attempts".
 Faults are chosen per mail by the local part of a recipient, so one server
 serves every case of a test:
   rcpt451-*   RCPT is answered 451        rcpt550-*   RCPT is answered 550
+  throttle-*  RCPT is answered 451 4.7.1 (the relay's rate limit)
   data451-*   end of data answered 451    data554-*   end of data answered 554
   flaky-*     end of data answered 451 the first time a Message-ID is seen
   dropdot-*   the connection is closed after end of data, with no reply
@@ -60,6 +61,8 @@ class Recorder:
         local = address.split("@", 1)[0].lower()
         if local.startswith("rcpt451"):
             return "451 4.3.0 Mailbox busy, try later"
+        if local.startswith("throttle"):
+            return "451 4.7.1 Rate limit exceeded, slow down"
         if local.startswith("rcpt550"):
             return "550 5.1.1 <%s>: Recipient address rejected: User unknown" % address
         envelope.rcpt_tos.append(address)

@@ -1,0 +1,269 @@
+//! What operators scrape: counters of outcomes, a send-latency histogram, the
+//! relay and database state, queue depth; served as Prometheus text on
+//! `/metrics`, with `/healthz` answering whether the database and the relay
+//! can be reached. A small HTTP/1.1 responder on `metrics.listen`: two
+//! read-only paths do not need a web framework.
+
+use std::{
+    fmt::Write as _,
+    net::SocketAddr,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    store::{FinalAction, Store},
+    worker::{Outcome, Worker},
+};
+
+/// Upper bounds of the send-latency histogram, in seconds.
+const LATENCY_BUCKETS: [f64; 12] = [
+    0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
+];
+
+/// Counters the worker updates as it writes outcomes.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    sent: AtomicU64,
+    retried: AtomicU64,
+    failed: AtomicU64,
+    ambiguous: AtomicU64,
+    released: AtomicU64,
+    lock_lost: AtomicU64,
+    /// Per bucket of `LATENCY_BUCKETS`, then +Inf.
+    latency_buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
+    latency_sum_us: AtomicU64,
+    latency_count: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts one outcome as it is written (`written == false`: fenced out).
+    pub fn record(&self, outcome: &Outcome, written: bool) {
+        if !written {
+            self.lock_lost.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let counter = match (&outcome.write.action, outcome.ambiguous) {
+            (FinalAction::Sent, _) => &self.sent,
+            (FinalAction::Retry { .. } | FinalAction::Unknown { .. }, true) => &self.ambiguous,
+            (FinalAction::Retry { .. }, false) => &self.retried,
+            (FinalAction::Failed { .. }, _) | (FinalAction::Unknown { .. }, false) => &self.failed,
+            (FinalAction::Release, _) => &self.released,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        // Only mails that reached the relay have a send time.
+        if outcome.smtp_code.is_some() || outcome.ambiguous {
+            let seconds = outcome.elapsed_ms as f64 / 1000.0;
+            let bucket = LATENCY_BUCKETS
+                .iter()
+                .position(|le| seconds <= *le)
+                .unwrap_or(LATENCY_BUCKETS.len());
+            self.latency_buckets[bucket].fetch_add(1, Ordering::Relaxed);
+            self.latency_sum_us
+                .fetch_add(outcome.elapsed_ms * 1000, Ordering::Relaxed);
+            self.latency_count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The counters in Prometheus text exposition format.
+    fn render_counters(&self, out: &mut String) {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        out.push_str("# HELP tablemail_mails_total Mails by the outcome written for them.\n");
+        out.push_str("# TYPE tablemail_mails_total counter\n");
+        for (outcome, counter) in [
+            ("sent", &self.sent),
+            ("retry", &self.retried),
+            ("failed", &self.failed),
+            ("ambiguous", &self.ambiguous),
+            ("released", &self.released),
+        ] {
+            let _ = writeln!(
+                out,
+                "tablemail_mails_total{{outcome=\"{outcome}\"}} {}",
+                get(counter)
+            );
+        }
+        out.push_str("# HELP tablemail_lock_lost_total Outcomes not written because another worker had taken the row.\n");
+        out.push_str("# TYPE tablemail_lock_lost_total counter\n");
+        let _ = writeln!(out, "tablemail_lock_lost_total {}", get(&self.lock_lost));
+        out.push_str("# HELP tablemail_send_duration_seconds Time of one SMTP transaction.\n");
+        out.push_str("# TYPE tablemail_send_duration_seconds histogram\n");
+        let mut cumulative = 0;
+        for (i, le) in LATENCY_BUCKETS.iter().enumerate() {
+            cumulative += get(&self.latency_buckets[i]);
+            let _ = writeln!(
+                out,
+                "tablemail_send_duration_seconds_bucket{{le=\"{le}\"}} {cumulative}"
+            );
+        }
+        cumulative += get(&self.latency_buckets[LATENCY_BUCKETS.len()]);
+        let _ = writeln!(
+            out,
+            "tablemail_send_duration_seconds_bucket{{le=\"+Inf\"}} {cumulative}"
+        );
+        let _ = writeln!(
+            out,
+            "tablemail_send_duration_seconds_sum {}",
+            get(&self.latency_sum_us) as f64 / 1e6
+        );
+        let _ = writeln!(
+            out,
+            "tablemail_send_duration_seconds_count {}",
+            get(&self.latency_count)
+        );
+    }
+}
+
+/// Serves `/metrics` and `/healthz` until `stop` fires.
+pub async fn serve(
+    listener: TcpListener,
+    worker: Arc<Worker>,
+    store: Arc<dyn Store>,
+    lock_timeout: Duration,
+    stop: CancellationToken,
+) {
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = stop.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok(accepted) => accepted,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+        };
+        let (worker, store) = (worker.clone(), store.clone());
+        tokio::spawn(async move {
+            let answer = tokio::time::timeout(
+                Duration::from_secs(10),
+                respond(stream, &worker, store.as_ref(), lock_timeout),
+            );
+            let _ = answer.await;
+        });
+    }
+}
+
+/// Binds `metrics.listen`.
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}
+
+async fn respond(
+    mut stream: TcpStream,
+    worker: &Worker,
+    store: &dyn Store,
+    lock_timeout: Duration,
+) -> std::io::Result<()> {
+    let mut request = Vec::with_capacity(512);
+    let mut buf = [0u8; 512];
+    while !request.windows(4).any(|w| w == b"\r\n\r\n") && !request.windows(2).any(|w| w == b"\n\n")
+    {
+        let n = stream.read(&mut buf).await?;
+        if n == 0 || request.len() > 8192 {
+            break;
+        }
+        request.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&request);
+    let mut words = head.split_whitespace();
+    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+    let (status, body) = match (method, path) {
+        ("GET", "/metrics") => ("200 OK", metrics_text(worker, store, lock_timeout).await),
+        ("GET", "/healthz") => health(worker, store).await,
+        ("GET", _) => ("404 Not Found", "not found\n".to_string()),
+        _ => ("405 Method Not Allowed", "GET only\n".to_string()),
+    };
+    let content_type = if path == "/metrics" {
+        "text/plain; version=0.0.4; charset=utf-8"
+    } else {
+        "text/plain; charset=utf-8"
+    };
+    let response = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(response.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+/// 200 while the database answers and the relay is not known to be down.
+async fn health(worker: &Worker, store: &dyn Store) -> (&'static str, String) {
+    let database = matches!(
+        tokio::time::timeout(Duration::from_secs(2), store.ping()).await,
+        Ok(Ok(()))
+    );
+    let relay = worker.relay().is_up();
+    let body = format!(
+        "database: {}\nrelay: {}\n",
+        if database { "ok" } else { "unreachable" },
+        if relay { "ok" } else { "unavailable" }
+    );
+    if database && relay {
+        ("200 OK", body)
+    } else {
+        ("503 Service Unavailable", body)
+    }
+}
+
+async fn metrics_text(worker: &Worker, store: &dyn Store, lock_timeout: Duration) -> String {
+    let mut out = String::with_capacity(4096);
+    worker.metrics().render_counters(&mut out);
+    out.push_str(
+        "# HELP tablemail_relay_up 1 unless the relay was found unavailable and not yet back.\n",
+    );
+    out.push_str("# TYPE tablemail_relay_up gauge\n");
+    let _ = writeln!(
+        out,
+        "tablemail_relay_up {}",
+        u8::from(worker.relay().is_up())
+    );
+    let stats = tokio::time::timeout(Duration::from_secs(5), store.stats(lock_timeout)).await;
+    let stats = match stats {
+        Ok(Ok(stats)) => Some(stats),
+        _ => None,
+    };
+    out.push_str("# HELP tablemail_database_up 1 if the queue could be read for this scrape.\n");
+    out.push_str("# TYPE tablemail_database_up gauge\n");
+    let _ = writeln!(out, "tablemail_database_up {}", u8::from(stats.is_some()));
+    if let Some(stats) = stats {
+        out.push_str("# HELP tablemail_queue_rows Rows of mail_queue by status.\n");
+        out.push_str("# TYPE tablemail_queue_rows gauge\n");
+        for status in [
+            "queued",
+            "sending",
+            "sent",
+            "failed",
+            "cancelled",
+            "unknown",
+        ] {
+            let count = stats
+                .counts
+                .iter()
+                .find(|c| c.status == status)
+                .map_or(0, |c| c.count);
+            let _ = writeln!(out, "tablemail_queue_rows{{status=\"{status}\"}} {count}");
+        }
+        out.push_str("# HELP tablemail_oldest_due_age_seconds How long the oldest due queued mail has waited.\n");
+        out.push_str("# TYPE tablemail_oldest_due_age_seconds gauge\n");
+        let _ = writeln!(
+            out,
+            "tablemail_oldest_due_age_seconds {}",
+            stats.oldest_due_age_seconds.unwrap_or(0.0).max(0.0)
+        );
+        out.push_str("# HELP tablemail_stale_locks Sending rows whose lock is older than worker.lock_timeout.\n");
+        out.push_str("# TYPE tablemail_stale_locks gauge\n");
+        let _ = writeln!(out, "tablemail_stale_locks {}", stats.stale_locks);
+    }
+    out
+}
