@@ -775,6 +775,15 @@ async fn main() {
                 "soak: last / first",
                 format!("{:.0}%", 100.0 * last / first),
             );
+            // A minute's rate wanders by ±10% here: five minutes say more.
+            let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+            let five = per_minute.len().min(5);
+            let head = mean(&per_minute[..five]);
+            let tail = mean(&per_minute[per_minute.len() - five..]);
+            line(
+                format!("soak: last {five} minutes / first {five}"),
+                format!("{tail:.0} / {head:.0} = {:.0}%", 100.0 * tail / head),
+            );
             line("soak: daemon peak RSS", format!("{rss:.1} MiB"));
         }
     }

@@ -1,13 +1,15 @@
 //! claim -> send -> finalize.
 //!
 //! [`Worker::process_batch`] is the whole unit of work in one call (tests drive
-//! it directly). [`Worker::run`] is the daemon: the same three pieces
-//! (`claim`, `deliver`, `commit`) overlapped, so SMTP connections never wait for
-//! the database: one claimer keeps a buffer of claimed rows, each mail is sent
-//! as soon as a connection is free, and a finalizer writes whatever outcomes
-//! are ready in one fenced statement (group commit). Beside them, a task renews
-//! the locks of rows still held, and a sweeper releases stale locks and purges
-//! finished rows past their retention.
+//! it directly). [`Worker::run`] is the daemon: the same pieces overlapped, so
+//! that SMTP sessions never wait for the database. One claimer keeps a queue
+//! of claimed rows filled; `worker.concurrency` lanes each own an SMTP session
+//! and send the queued mails one after the other, the next mail's envelope
+//! riding along with the current one's end of data; a finalizer writes the
+//! outcomes that are ready in one fenced statement (group commit). Beside
+//! them, tasks renew the locks of rows still held, release the stale locks of
+//! dead workers, purge finished rows past their retention, and tell systemd
+//! that the worker lives.
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -31,7 +33,7 @@ use crate::{
     metrics::Metrics,
     pace::Pace,
     retry,
-    store::{BatchLock, Claim, FinalAction, Finalize, QueuedMail, Store, StoreError},
+    store::{BatchLock, Claim, FinalAction, Finalize, Maintenance, QueuedMail, Store, StoreError},
     systemd,
     telemetry::redact_addresses,
     transport::{Next, SendError, Session, Transport},
@@ -814,6 +816,7 @@ impl Worker {
         const PURGE_EVERY: Duration = Duration::from_secs(5);
         const MAINTAIN_EVERY: Duration = Duration::from_secs(30);
         let mut last_maintained = Instant::now();
+        let mut warned = false;
         loop {
             let mut purged = 0;
             while !stop.is_cancelled() {
@@ -840,8 +843,19 @@ impl Worker {
             if last_maintained.elapsed() >= MAINTAIN_EVERY {
                 last_maintained = Instant::now();
                 match self.store.maintain().await {
-                    Ok(Some(done)) => tracing::info!(done, "table maintenance"),
-                    Ok(None) => {}
+                    Ok(Some(Maintenance::Vacuumed {
+                        dead_rows,
+                        autovacuum,
+                    })) => tracing::info!(dead_rows, autovacuum, "table maintenance: vacuumed"),
+                    Ok(Some(Maintenance::CannotVacuum { dead_rows })) if !warned => {
+                        warned = true;
+                        tracing::warn!(
+                            dead_rows,
+                            "table maintenance: dead rows pile up and autovacuum does not clear \
+                             them; this role may not VACUUM mail_queue (claims will slow down)"
+                        );
+                    }
+                    Ok(_) => {}
                     Err(e) => tracing::warn!(error = %e, "table maintenance failed"),
                 }
             }

@@ -281,6 +281,15 @@ pub struct RecentFailure {
     pub last_error: Option<String>,
 }
 
+/// What [`Store::maintain`] found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Maintenance {
+    /// The table was vacuumed: it held this many dead rows.
+    Vacuumed { dead_rows: i64, autovacuum: bool },
+    /// Dead rows pile up, and this role may not vacuum (it does not own the table).
+    CannotVacuum { dead_rows: i64 },
+}
+
 /// What `tablemail status` shows.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct QueueStats {
@@ -344,8 +353,8 @@ pub trait Store: Send + Sync + 'static {
 
     /// Housekeeping the database may need from us: PostgreSQL with
     /// autovacuum off (or far behind) gets its dead rows vacuumed, since they
-    /// slow every claim. Returns what was done, if anything.
-    async fn maintain(&self) -> Result<Option<String>> {
+    /// slow every claim. Returns what was found or done, if anything.
+    async fn maintain(&self) -> Result<Option<Maintenance>> {
         Ok(None)
     }
 

@@ -15,8 +15,9 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    millis, queued_mail_from_row, Backend, BatchLock, Claim, Enqueued, Finalize, NewMail, Param,
-    QueueStats, QueuedMail, RecentFailure, Result, RetrySelection, StaleRow, StatusCount, Store,
+    millis, queued_mail_from_row, Backend, BatchLock, Claim, Enqueued, Finalize, Maintenance,
+    NewMail, Param, QueueStats, QueuedMail, RecentFailure, Result, RetrySelection, StaleRow,
+    StatusCount, Store,
 };
 
 /// The NOTIFY channel the insert trigger of the migration signals.
@@ -191,9 +192,11 @@ DELETE FROM mail_queue WHERE id IN (
 "#;
 
 const DEAD_ROWS: &str = r#"
-SELECT n_dead_tup, n_live_tup, current_setting('autovacuum') = 'on' AS autovacuum,
-       EXTRACT(EPOCH FROM now() - GREATEST(last_autovacuum, last_vacuum))::float8 AS since_vacuum
-FROM pg_stat_user_tables WHERE relid = 'mail_queue'::regclass
+SELECT s.n_dead_tup, s.n_live_tup, current_setting('autovacuum') = 'on' AS autovacuum,
+       EXTRACT(EPOCH FROM now() - GREATEST(s.last_autovacuum, s.last_vacuum))::float8 AS since_vacuum,
+       pg_has_role(current_user, c.relowner, 'MEMBER') AS owner
+FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+WHERE s.relid = 'mail_queue'::regclass
 "#;
 
 /// One vacuum at a time across daemons (a session-level advisory lock).
@@ -435,7 +438,7 @@ impl Store for PgStore {
         Ok(deleted)
     }
 
-    async fn maintain(&self) -> Result<Option<String>> {
+    async fn maintain(&self) -> Result<Option<Maintenance>> {
         let stats = sqlx::query(DEAD_ROWS).fetch_optional(&self.pool).await?;
         let Some(stats) = stats else {
             return Ok(None);
@@ -444,11 +447,16 @@ impl Store for PgStore {
         let live: i64 = stats.try_get("n_live_tup")?;
         let autovacuum: bool = stats.try_get("autovacuum")?;
         let since: Option<f64> = stats.try_get("since_vacuum")?;
+        let owner: bool = stats.try_get("owner")?;
         // Autovacuum normally keeps up; step in when it is off, or when it
         // has left a large share of dead rows for ten minutes.
         let behind = !autovacuum || since.is_none_or(|s| s > 600.0);
         if dead < 10_000 || dead < live / 5 || !behind {
             return Ok(None);
+        }
+        if !owner {
+            // PostgreSQL would only warn and skip the table.
+            return Ok(Some(Maintenance::CannotVacuum { dead_rows: dead }));
         }
         let mut conn = self.pool.acquire().await?;
         let locked: bool = sqlx::query_scalar(VACUUM_LOCK)
@@ -462,10 +470,10 @@ impl Store for PgStore {
             .await;
         sqlx::query(VACUUM_UNLOCK).execute(&mut *conn).await?;
         vacuumed?;
-        Ok(Some(format!(
-            "vacuumed mail_queue: {dead} dead rows (autovacuum {})",
-            if autovacuum { "behind" } else { "off" }
-        )))
+        Ok(Some(Maintenance::Vacuumed {
+            dead_rows: dead,
+            autovacuum,
+        }))
     }
 
     fn spawn_wakeup_listener(
