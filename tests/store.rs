@@ -459,3 +459,57 @@ async fn retry_cancel_and_purge(db: TestDb) {
     );
     assert_eq!(db.scalar_i64("SELECT count(*) FROM mail_queue").await, 2);
 }
+
+/// PostgreSQL without autovacuum (as on this machine) or with a table it has
+/// not reached yet: the daemon vacuums the dead rows that slow every claim,
+/// if its role owns the table, and says so if it does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_dead_rows_are_vacuumed_by_the_owner_only() {
+    use tablemail::store::Maintenance;
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let mails: Vec<NewMail> = (0..12_000)
+        .map(|i| mail(&format!("u{i}@example.com"), "x"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    db.exec("DELETE FROM mail_queue").await;
+    let dead =
+        || db.scalar_i64("SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'mail_queue'");
+    eventually(
+        "the statistics to count the dead rows",
+        Duration::from_secs(20),
+        || async { dead().await >= 12_000 },
+    )
+    .await;
+
+    // A role that may claim and delete, but does not own the table.
+    let role = format!("tm_limited_{}", uuid::Uuid::new_v4().simple());
+    db.exec(&format!("CREATE ROLE {role} LOGIN")).await;
+    db.exec(&format!(
+        "GRANT SELECT, UPDATE, DELETE ON mail_queue TO {role}"
+    ))
+    .await;
+    let url = db.url.replacen("postgres@", &format!("{role}@"), 1);
+    let limited = tablemail::store::connect(&url, 2).await.unwrap();
+    let found = limited.maintain().await;
+    drop(limited);
+    db.exec(&format!("DROP OWNED BY {role}")).await;
+    db.exec(&format!("DROP ROLE {role}")).await;
+    assert!(
+        matches!(found, Ok(Some(Maintenance::CannotVacuum { dead_rows })) if dead_rows >= 12_000),
+        "{found:?}"
+    );
+
+    let done = db.store.maintain().await.unwrap();
+    assert!(
+        matches!(done, Some(Maintenance::Vacuumed { dead_rows, .. }) if dead_rows >= 12_000),
+        "{done:?}"
+    );
+    assert_eq!(dead().await, 0);
+    assert_eq!(
+        db.store.maintain().await.unwrap(),
+        None,
+        "nothing left to do"
+    );
+}
