@@ -326,13 +326,6 @@ async fn status(settings: &Settings, json: bool) -> Result<()> {
         return Ok(());
     }
     println!("tablemail queue ({})", store.backend());
-    let count = |s: &str| {
-        stats
-            .counts
-            .iter()
-            .find(|c| c.status == s)
-            .map_or(0, |c| c.count)
-    };
     for s in [
         "queued",
         "sending",
@@ -352,7 +345,7 @@ async fn status(settings: &Settings, json: bool) -> Result<()> {
             "sending" => format!("{} stale locks", stats.stale_locks),
             _ => String::new(),
         };
-        println!("  {s:<10} {:>10}  {note}", count(s));
+        println!("  {s:<10} {:>10}  {note}", stats.count(s));
     }
     println!(
         "sent per second: {:.1} over the last minute, {:.1} over 5 minutes, {:.1} over 15 minutes",

@@ -247,11 +247,7 @@ async fn metrics_text(worker: &Worker, store: &dyn Store, lock_timeout: Duration
             "cancelled",
             "unknown",
         ] {
-            let count = stats
-                .counts
-                .iter()
-                .find(|c| c.status == status)
-                .map_or(0, |c| c.count);
+            let count = stats.count(status);
             let _ = writeln!(out, "tablemail_queue_rows{{status=\"{status}\"}} {count}");
         }
         out.push_str("# HELP tablemail_oldest_due_age_seconds How long the oldest due queued mail has waited.\n");

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::{collections::HashMap, time::Duration};
+use std::time::Duration;
 
 use support::*;
 use tablemail::{config::Ambiguous, store::NewMail};
@@ -204,21 +204,11 @@ async fn timeout_after_dot_is_ambiguous(db: TestDb) {
 
 async fn closed_port_that_later_opens_spends_no_attempts(db: TestDb) {
     let port = free_port();
-    let mut env = db.env();
-    env.extend([
-        (
-            "TABLEMAIL__TRANSPORT__URL".to_string(),
-            format!("smtp://127.0.0.1:{port}"),
-        ),
-        (
-            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
-            "shop@example.com".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__POLL_INTERVAL".to_string(),
-            "100ms".to_string(),
-        ),
-    ]);
+    let env = daemon_env(
+        &db,
+        &format!("smtp://127.0.0.1:{port}"),
+        &[("TABLEMAIL__WORKER__POLL_INTERVAL", "100ms")],
+    );
     let mails: Vec<NewMail> = (0..30)
         .map(|i| mail(&format!("u{i}@example.com"), "x"))
         .collect();
@@ -273,22 +263,14 @@ async fn closed_port_that_later_opens_spends_no_attempts(db: TestDb) {
 async fn auth_rejected_needs_an_operator(db: TestDb) {
     let smtp = SmtpServer::start(&["--auth", "mailer:right"]);
     let id = one(&db, "a@example.com").await;
-    let mut env = db.env();
-    env.extend([
-        ("TABLEMAIL__TRANSPORT__URL".to_string(), smtp.url()),
-        (
-            "TABLEMAIL__TRANSPORT__USERNAME".to_string(),
-            "mailer".to_string(),
-        ),
-        (
-            "TABLEMAIL__TRANSPORT__PASSWORD".to_string(),
-            "wrong-secret-pw".to_string(),
-        ),
-        (
-            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
-            "shop@example.com".to_string(),
-        ),
-    ]);
+    let env = daemon_env(
+        &db,
+        &smtp.url(),
+        &[
+            ("TABLEMAIL__TRANSPORT__USERNAME", "mailer"),
+            ("TABLEMAIL__TRANSPORT__PASSWORD", "wrong-secret-pw"),
+        ],
+    );
     let mut daemon = Daemon::start(env);
     eventually(
         "relay unavailable logged",
@@ -445,18 +427,7 @@ async fn sigterm_mid_drain_leaves_nothing_sending(db: TestDb) {
         .map(|i| mail(&format!("u{i}@example.com"), "x"))
         .collect();
     db.store.enqueue(&mails).await.unwrap();
-    let mut env = db.env();
-    env.extend([
-        ("TABLEMAIL__TRANSPORT__URL".to_string(), sink.url()),
-        (
-            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
-            "shop@example.com".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__CONCURRENCY".to_string(),
-            "8".to_string(),
-        ),
-    ]);
+    let env = daemon_env(&db, &sink.url(), &[("TABLEMAIL__WORKER__CONCURRENCY", "8")]);
     let mut daemon = Daemon::start(env);
     eventually("some mails sent", Duration::from_secs(20), || async {
         db.scalar_i64("SELECT count(*) FROM mail_queue WHERE status = 'sent'")
@@ -496,18 +467,7 @@ async fn two_daemons_send_each_mail_once(db: TestDb) {
         .map(|i| mail(&format!("u{i}@example.com"), &format!("m{i}")))
         .collect();
     db.store.enqueue(&mails).await.unwrap();
-    let mut env = db.env();
-    env.extend([
-        ("TABLEMAIL__TRANSPORT__URL".to_string(), sink.url()),
-        (
-            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
-            "shop@example.com".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__BATCH_SIZE".to_string(),
-            "20".to_string(),
-        ),
-    ]);
+    let env = daemon_env(&db, &sink.url(), &[("TABLEMAIL__WORKER__BATCH_SIZE", "20")]);
     let mut a = Daemon::start(env.clone());
     let mut b = Daemon::start(env);
     eventually("2000 sent", Duration::from_secs(60), || async {
@@ -534,10 +494,7 @@ async fn two_daemons_send_each_mail_once(db: TestDb) {
     assert_eq!(by_a + by_b, 2000);
     assert!(by_a > 0 && by_b > 0, "both daemons worked: {by_a} + {by_b}");
     let got = sink.mails();
-    let mut seen: HashMap<String, usize> = HashMap::new();
-    for m in &got {
-        *seen.entry(m.message_id.clone().unwrap()).or_default() += 1;
-    }
+    let seen = message_id_counts(&got);
     assert_eq!(seen.len(), 2000, "every mail arrived");
     assert_eq!(got.len(), 2000, "duplicates: {}", got.len() - seen.len());
 }
@@ -549,30 +506,16 @@ async fn sigkill_loses_nothing(db: TestDb) {
         .map(|i| mail(&format!("u{i}@example.com"), &format!("m{i}")))
         .collect();
     db.store.enqueue(&mails).await.unwrap();
-    let mut env = db.env();
-    env.extend([
-        ("TABLEMAIL__TRANSPORT__URL".to_string(), sink.url()),
-        (
-            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
-            "shop@example.com".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__LOCK_TIMEOUT".to_string(),
-            "3s".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__BATCH_SIZE".to_string(),
-            "25".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__CONCURRENCY".to_string(),
-            "4".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__POLL_INTERVAL".to_string(),
-            "100ms".to_string(),
-        ),
-    ]);
+    let env = daemon_env(
+        &db,
+        &sink.url(),
+        &[
+            ("TABLEMAIL__WORKER__LOCK_TIMEOUT", "3s"),
+            ("TABLEMAIL__WORKER__BATCH_SIZE", "25"),
+            ("TABLEMAIL__WORKER__CONCURRENCY", "4"),
+            ("TABLEMAIL__WORKER__POLL_INTERVAL", "100ms"),
+        ],
+    );
     let mut in_flight_at_kills = 0;
     let mut kills = 0;
     while kills < 10 {
@@ -632,10 +575,7 @@ async fn sigkill_loses_nothing(db: TestDb) {
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 
     let got = sink.mails();
-    let mut seen: HashMap<String, usize> = HashMap::new();
-    for m in &got {
-        *seen.entry(m.message_id.clone().unwrap()).or_default() += 1;
-    }
+    let seen = message_id_counts(&got);
     let ids = db.strings("SELECT message_id FROM mail_queue").await;
     let lost = ids.iter().filter(|id| !seen.contains_key(*id)).count();
     let duplicates = got.len() - seen.len();

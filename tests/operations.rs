@@ -45,25 +45,6 @@ fn sample(metrics: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
-fn daemon_env(db: &TestDb, transport_url: &str) -> Vec<(String, String)> {
-    let mut env = db.env();
-    env.extend([
-        (
-            "TABLEMAIL__TRANSPORT__URL".to_string(),
-            transport_url.to_string(),
-        ),
-        (
-            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
-            "shop@example.com".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__POLL_INTERVAL".to_string(),
-            "200ms".to_string(),
-        ),
-    ]);
-    env
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_health_over_http() {
     let Some(db) = TestDb::postgres().await else {
@@ -71,11 +52,8 @@ async fn metrics_and_health_over_http() {
     };
     let smtp = SmtpServer::start(&[]);
     let port = free_port();
-    let mut env = daemon_env(&db, &smtp.url());
-    env.push((
-        "TABLEMAIL__METRICS__LISTEN".into(),
-        format!("127.0.0.1:{port}"),
-    ));
+    let listen = format!("127.0.0.1:{port}");
+    let env = daemon_env(&db, &smtp.url(), &[("TABLEMAIL__METRICS__LISTEN", &listen)]);
     let mut daemon = Daemon::start(env);
     eventually("the metrics endpoint", Duration::from_secs(10), || async {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
@@ -172,14 +150,12 @@ async fn systemd_hears_ready_watchdog_and_stopping() {
     socket
         .set_read_timeout(Some(Duration::from_secs(20)))
         .unwrap();
-    let mut env = daemon_env(&db, &smtp.url());
-    env.extend([
-        (
-            "NOTIFY_SOCKET".to_string(),
-            socket_path.display().to_string(),
-        ),
-        ("WATCHDOG_USEC".to_string(), "600000".to_string()),
-    ]);
+    let socket_name = socket_path.display().to_string();
+    let env = daemon_env(
+        &db,
+        &smtp.url(),
+        &[("NOTIFY_SOCKET", &socket_name), ("WATCHDOG_USEC", "600000")],
+    );
     let mut daemon = Daemon::start(env);
     let mut heard = Vec::new();
     let mut buf = [0u8; 256];
@@ -295,8 +271,7 @@ async fn rate_limit_and_throttling_slow_the_daemon() {
         return;
     };
     let smtp = SmtpServer::start(&[]);
-    let mut env = daemon_env(&db, &smtp.url());
-    env.push(("TABLEMAIL__WORKER__RATE_LIMIT".into(), "20".into()));
+    let env = daemon_env(&db, &smtp.url(), &[("TABLEMAIL__WORKER__RATE_LIMIT", "20")]);
     let mails: Vec<NewMail> = (0..31)
         .map(|i| mail(&format!("u{i}@example.com"), "m"))
         .collect();

@@ -4,7 +4,7 @@
 
 mod support;
 
-use std::{collections::HashSet, process::Command, time::Duration};
+use std::{process::Command, time::Duration};
 
 use support::*;
 use tablemail::store::NewMail;
@@ -40,28 +40,16 @@ async fn postgres_restart_during_a_drain_loses_nothing() {
     for chunk in mails.chunks(5000) {
         db.store.enqueue(chunk).await.unwrap();
     }
-    let mut env = db.env();
-    env.extend([
-        ("TABLEMAIL__TRANSPORT__URL".to_string(), sink.url()),
-        (
-            "TABLEMAIL__DEFAULTS__FROM_ADDRESS".to_string(),
-            "shop@example.com".to_string(),
-        ),
-        // A claim whose reply was lost in the restart leaves rows locked:
-        // let them go stale quickly.
-        (
-            "TABLEMAIL__WORKER__LOCK_TIMEOUT".to_string(),
-            "3s".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__CONCURRENCY".to_string(),
-            "4".to_string(),
-        ),
-        (
-            "TABLEMAIL__WORKER__POLL_INTERVAL".to_string(),
-            "200ms".to_string(),
-        ),
-    ]);
+    // A claim whose reply was lost in the restart leaves rows locked: let
+    // them go stale quickly.
+    let env = daemon_env(
+        &db,
+        &sink.url(),
+        &[
+            ("TABLEMAIL__WORKER__LOCK_TIMEOUT", "3s"),
+            ("TABLEMAIL__WORKER__CONCURRENCY", "4"),
+        ],
+    );
     let mut daemon = Daemon::start(env);
     eventually(
         "the drain to be under way",
@@ -116,16 +104,13 @@ async fn postgres_restart_during_a_drain_loses_nothing() {
     assert_eq!(daemon.wait_exit(Duration::from_secs(30)).await, 0);
 
     let got = sink.mails();
-    let unique: HashSet<_> = got.iter().map(|m| m.message_id.clone().unwrap()).collect();
-    let ids: Vec<String> = sqlx::query_scalar("SELECT message_id FROM mail_queue")
-        .fetch_all(db.pool())
-        .await
-        .unwrap();
-    let lost = ids.iter().filter(|id| !unique.contains(*id)).count();
+    let seen = message_id_counts(&got);
+    let ids = db.strings("SELECT message_id FROM mail_queue").await;
+    let lost = ids.iter().filter(|id| !seen.contains_key(*id)).count();
     eprintln!(
         "postgres restart after {sent_at_restart} of {MAILS} mails: lost {lost}, duplicates {}",
-        got.len() - unique.len()
+        got.len() - seen.len()
     );
     assert_eq!(lost, 0);
-    assert_eq!(unique.len(), MAILS);
+    assert_eq!(seen.len(), MAILS);
 }

@@ -339,13 +339,7 @@ async fn status_counts_and_ages(db: TestDb) {
     ))
     .await;
     let stats = db.store.stats(Duration::from_secs(300)).await.unwrap();
-    let count = |s: &str| {
-        stats
-            .counts
-            .iter()
-            .find(|c| c.status == s)
-            .map_or(0, |c| c.count)
-    };
+    let count = |s: &str| stats.count(s);
     assert_eq!(
         (
             count("queued"),

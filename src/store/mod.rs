@@ -281,6 +281,23 @@ pub struct RecentFailure {
     pub last_error: Option<String>,
 }
 
+impl QueueStats {
+    /// Rows with this status.
+    pub fn count(&self, status: &str) -> i64 {
+        self.counts
+            .iter()
+            .find(|c| c.status == status)
+            .map_or(0, |c| c.count)
+    }
+}
+
+/// Finished rows that retention deletes, each kind with its own age.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    Sent,
+    FailedOrCancelled,
+}
+
 /// What [`Store::maintain`] found or did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Maintenance {
@@ -348,8 +365,30 @@ pub trait Store: Send + Sync + 'static {
     /// A `queued` row to `cancelled`.
     async fn cancel(&self, id: i64) -> Result<u64>;
 
+    /// Deletes up to `limit` rows of one kind finished longer than
+    /// `older_than` ago, oldest first.
+    async fn purge_finished(
+        &self,
+        kind: Finished,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<u64>;
+
     /// Deletes up to `limit` finished rows past their retention.
-    async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64>;
+    async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
+        let mut deleted = 0;
+        for (kind, age) in [
+            (Finished::Sent, sent),
+            (Finished::FailedOrCancelled, failed),
+        ] {
+            let left = limit as u64 - deleted;
+            if left == 0 {
+                break;
+            }
+            deleted += self.purge_finished(kind, age, left as usize).await?;
+        }
+        Ok(deleted)
+    }
 
     /// Housekeeping the database may need from us: PostgreSQL with
     /// autovacuum off (or far behind) gets its dead rows vacuumed, since they
@@ -413,6 +452,70 @@ where
         message_id: row.try_get("message_id")?,
         expired: row.try_get("expired")?,
     })
+}
+
+/// Builds [`QueueStats`] from the rows of the three status queries, whose
+/// column names every backend shares.
+pub(crate) fn queue_stats<'r, R>(
+    counts: &'r [R],
+    ages: &'r R,
+    failures: &'r [R],
+) -> Result<QueueStats>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    f64: Decode<'r, R::Database> + Type<R::Database>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    DateTime<Utc>: Decode<'r, R::Database> + Type<R::Database>,
+{
+    let counts = counts
+        .iter()
+        .map(|r| {
+            Ok(StatusCount {
+                status: r.try_get("status")?,
+                count: r.try_get("count")?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let recent_failures = failures
+        .iter()
+        .map(|r| {
+            Ok(RecentFailure {
+                id: r.try_get("id")?,
+                status: r.try_get("status")?,
+                processed_at: r.try_get("processed_at")?,
+                last_error: r.try_get("last_error")?,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(QueueStats {
+        counts,
+        oldest_due_age_seconds: ages.try_get("oldest_due")?,
+        stale_locks: ages.try_get("stale")?,
+        sent_last_1m: ages.try_get("sent_1m")?,
+        sent_last_5m: ages.try_get("sent_5m")?,
+        sent_last_15m: ages.try_get("sent_15m")?,
+        recent_failures,
+    })
+}
+
+/// Decodes the rows `release_stale_locks` reports (`id`, `requeued`).
+pub(crate) fn stale_rows<'r, R>(rows: &'r [R]) -> Result<Vec<StaleRow>>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+{
+    rows.iter()
+        .map(|r| {
+            Ok(StaleRow {
+                id: r.try_get("id")?,
+                requeued: r.try_get("requeued")?,
+            })
+        })
+        .collect()
 }
 
 /// Milliseconds for SQL interval arithmetic.

@@ -15,9 +15,9 @@ use sqlx::{
 use uuid::Uuid;
 
 use super::{
-    finalize_json, millis, queued_mail_from_row, Backend, BatchLock, Claim, Enqueued, Finalize,
-    NewMail, Param, QueueStats, QueuedMail, RecentFailure, Result, RetrySelection, StaleRow,
-    StatusCount, Store,
+    finalize_json, millis, queue_stats, queued_mail_from_row, stale_rows, Backend, BatchLock,
+    Claim, Enqueued, Finalize, Finished, NewMail, Param, QueueStats, QueuedMail, Result,
+    RetrySelection, StaleRow, Store,
 };
 
 pub struct MySqlStore {
@@ -300,18 +300,11 @@ impl Store for MySqlStore {
 
     async fn release_stale_locks(&self, older_than: Duration) -> Result<Vec<StaleRow>> {
         let mut tx = self.pool.begin().await?;
-        let stale = sqlx::query(PICK_STALE)
+        let picked = sqlx::query(PICK_STALE)
             .bind(micros(older_than))
             .fetch_all(&mut *tx)
-            .await?
-            .iter()
-            .map(|r| {
-                Ok(StaleRow {
-                    id: r.try_get("id")?,
-                    requeued: r.try_get("requeued")?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+            .await?;
+        let stale = stale_rows(&picked)?;
         if !stale.is_empty() {
             let mut release = sqlx::query(AssertSqlSafe(format!(
                 "{RELEASE_STALE}({})",
@@ -373,43 +366,13 @@ impl Store for MySqlStore {
     }
 
     async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
-        let counts = sqlx::query(STATUS_COUNTS)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|r| {
-                Ok(StatusCount {
-                    status: r.try_get("status")?,
-                    count: r.try_get("count")?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let counts = sqlx::query(STATUS_COUNTS).fetch_all(&self.pool).await?;
         let ages = sqlx::query(STATUS_AGES)
             .bind(micros(lock_timeout))
             .fetch_one(&self.pool)
             .await?;
-        let recent_failures = sqlx::query(RECENT_FAILURES)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|r| {
-                Ok(RecentFailure {
-                    id: r.try_get("id")?,
-                    status: r.try_get("status")?,
-                    processed_at: r.try_get("processed_at")?,
-                    last_error: r.try_get("last_error")?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(QueueStats {
-            counts,
-            oldest_due_age_seconds: ages.try_get("oldest_due")?,
-            stale_locks: ages.try_get("stale")?,
-            sent_last_1m: ages.try_get("sent_1m")?,
-            sent_last_5m: ages.try_get("sent_5m")?,
-            sent_last_15m: ages.try_get("sent_15m")?,
-            recent_failures,
-        })
+        let failures = sqlx::query(RECENT_FAILURES).fetch_all(&self.pool).await?;
+        queue_stats(&counts, &ages, &failures)
     }
 
     async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>> {
@@ -439,20 +402,21 @@ impl Store for MySqlStore {
         Ok(done.rows_affected())
     }
 
-    async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
-        let mut deleted = 0;
-        for (sql, age) in [(PURGE_SENT, sent), (PURGE_FAILED, failed)] {
-            let left = limit as u64 - deleted;
-            if left == 0 {
-                break;
-            }
-            let done = sqlx::query(sql)
-                .bind(micros(age))
-                .bind(left as i64)
-                .execute(&self.pool)
-                .await?;
-            deleted += done.rows_affected();
-        }
-        Ok(deleted)
+    async fn purge_finished(
+        &self,
+        kind: Finished,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<u64> {
+        let sql = match kind {
+            Finished::Sent => PURGE_SENT,
+            Finished::FailedOrCancelled => PURGE_FAILED,
+        };
+        let done = sqlx::query(sql)
+            .bind(micros(older_than))
+            .bind(limit as i64)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected())
     }
 }

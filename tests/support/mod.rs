@@ -121,73 +121,77 @@ async fn open_store(url: &str) -> Arc<dyn Store> {
 
 impl TestDb {
     pub async fn postgres() -> Option<TestDb> {
+        Self::on_server(Backend::Postgres, &postgres_admin_url()).await
+    }
+
+    pub async fn mysql() -> Option<TestDb> {
+        Self::on_server(Backend::Mysql, &mysql_admin_url()).await
+    }
+
+    /// A new database on the server that `admin_url` reaches.
+    async fn on_server(backend: Backend, admin_url: &str) -> Option<TestDb> {
         init_logs();
-        let admin_url = postgres_admin_url();
-        let admin = match PgPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect(&admin_url)
-            .await
-        {
-            Ok(p) => p,
-            Err(e) => return unreachable(Backend::Postgres, e),
-        };
         let name = db_name();
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&admin)
-            .await
-            .expect("create test database");
-        admin.close().await;
-        let url = with_database(&admin_url, &name);
+        if let Err(e) =
+            Self::run_admin(backend, admin_url, &format!("CREATE DATABASE {name}")).await
+        {
+            return unreachable(backend, e);
+        }
+        let url = with_database(admin_url, &name);
         let store = open_store(&url).await;
-        let pool = PgPoolOptions::new()
-            .max_connections(2)
-            .connect(&url)
-            .await
-            .expect("connect");
+        let pool = match backend {
+            Backend::Postgres => Pool::Pg(
+                PgPoolOptions::new()
+                    .max_connections(2)
+                    .connect(&url)
+                    .await
+                    .expect("connect"),
+            ),
+            Backend::Mysql => Pool::My(
+                MySqlPoolOptions::new()
+                    .max_connections(2)
+                    .connect(&url)
+                    .await
+                    .expect("connect"),
+            ),
+            Backend::Sqlite => unreachable!("SQLite needs no server"),
+        };
         Some(TestDb {
-            backend: Backend::Postgres,
+            backend,
             url,
             store,
-            pool: Pool::Pg(pool),
+            pool,
             name,
             _dir: None,
         })
     }
 
-    pub async fn mysql() -> Option<TestDb> {
-        init_logs();
-        let admin_url = mysql_admin_url();
-        let admin = match MySqlPoolOptions::new()
-            .max_connections(1)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect(&admin_url)
-            .await
-        {
-            Ok(p) => p,
-            Err(e) => return unreachable(Backend::Mysql, e),
-        };
-        let name = db_name();
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&admin)
-            .await
-            .expect("create test database");
-        admin.close().await;
-        let url = with_database(&admin_url, &name);
-        let store = open_store(&url).await;
-        let pool = MySqlPoolOptions::new()
-            .max_connections(2)
-            .connect(&url)
-            .await
-            .expect("connect");
-        Some(TestDb {
-            backend: Backend::Mysql,
-            url,
-            store,
-            pool: Pool::My(pool),
-            name,
-            _dir: None,
-        })
+    /// Runs one statement on the server's administrative database.
+    async fn run_admin(backend: Backend, admin_url: &str, sql: &str) -> Result<(), sqlx::Error> {
+        let sql = sqlx::AssertSqlSafe(sql.to_string());
+        let timeout = Duration::from_secs(5);
+        match backend {
+            Backend::Postgres => {
+                let admin = PgPoolOptions::new()
+                    .max_connections(1)
+                    .acquire_timeout(timeout)
+                    .connect(admin_url)
+                    .await?;
+                sqlx::query(sql).execute(&admin).await?;
+                admin.close().await;
+            }
+            Backend::Mysql => {
+                let admin = MySqlPoolOptions::new()
+                    .max_connections(1)
+                    .acquire_timeout(timeout)
+                    .connect(admin_url)
+                    .await?;
+                sqlx::query(sql).execute(&admin).await?;
+                admin.close().await;
+            }
+            Backend::Sqlite => unreachable!("SQLite needs no server"),
+        }
+        Ok(())
     }
 
     pub async fn sqlite() -> Option<TestDb> {
@@ -367,36 +371,22 @@ impl TestDb {
 
 impl Drop for TestDb {
     fn drop(&mut self) {
-        let name = self.name.clone();
-        let backend = self.backend;
-        if backend == Backend::Sqlite {
-            return; // the directory goes with `_dir`
-        }
+        let (backend, name) = (self.backend, self.name.clone());
+        let (admin_url, sql) = match backend {
+            Backend::Postgres => (
+                postgres_admin_url(),
+                format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+            ),
+            Backend::Mysql => (mysql_admin_url(), format!("DROP DATABASE IF EXISTS {name}")),
+            Backend::Sqlite => return, // the directory goes with `_dir`
+        };
         // Drop runs outside any runtime guarantee: use a thread with its own.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap();
-            rt.block_on(async {
-                if backend == Backend::Postgres {
-                    if let Ok(admin) = PgPoolOptions::new()
-                        .max_connections(1)
-                        .connect(&postgres_admin_url())
-                        .await
-                    {
-                        let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
-                        let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&admin).await;
-                    }
-                } else if let Ok(admin) = MySqlPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&mysql_admin_url())
-                    .await
-                {
-                    let sql = format!("DROP DATABASE IF EXISTS {name}");
-                    let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&admin).await;
-                }
-            });
+            let _ = rt.block_on(Self::run_admin(backend, &admin_url, &sql));
         })
         .join();
     }
@@ -684,6 +674,35 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Environment for `tablemail run` on this database and relay, with a sender,
+/// a short poll interval and `extra` settings (later ones win).
+pub fn daemon_env(
+    db: &TestDb,
+    transport_url: &str,
+    extra: &[(&str, &str)],
+) -> Vec<(String, String)> {
+    let mut env = db.env();
+    env.push(("TABLEMAIL__TRANSPORT__URL".into(), transport_url.into()));
+    env.push((
+        "TABLEMAIL__DEFAULTS__FROM_ADDRESS".into(),
+        "shop@example.com".into(),
+    ));
+    env.push(("TABLEMAIL__WORKER__POLL_INTERVAL".into(), "200ms".into()));
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    env
+}
+
+/// How often each Message-ID reached the server.
+pub fn message_id_counts(mails: &[SinkMail]) -> std::collections::HashMap<String, usize> {
+    let mut seen = std::collections::HashMap::new();
+    for m in mails {
+        *seen
+            .entry(m.message_id.clone().expect("a Message-ID"))
+            .or_default() += 1;
+    }
+    seen
 }
 
 /// The binary under test.
