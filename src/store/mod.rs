@@ -267,6 +267,16 @@ pub enum RetrySelection {
     AllFailed,
 }
 
+impl RetrySelection {
+    /// The one row, or `None` for all of them (a NULL parameter in SQL).
+    pub fn id(self) -> Option<i64> {
+        match self {
+            RetrySelection::Id(id) => Some(id),
+            RetrySelection::AllFailed => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct StatusCount {
     pub status: String,

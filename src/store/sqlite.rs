@@ -325,10 +325,7 @@ impl Store for SqliteStore {
     }
 
     async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
-        let id = match which {
-            RetrySelection::Id(id) => Some(id),
-            RetrySelection::AllFailed => None,
-        };
+        let id = which.id();
         let done = sqlx::query(RETRY)
             .bind(id)
             .bind(attempts)
