@@ -47,10 +47,6 @@ impl PgStore {
         Ok(PgStore { pool })
     }
 
-    pub fn pool(&self) -> &PgPool {
-        &self.pool
-    }
-
     fn migrator() -> Migrator {
         let migrations = vec![Migration::new(
             1,
