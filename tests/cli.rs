@@ -265,13 +265,9 @@ async fn daemon_sends_logs_json_and_exits_0_on_sigterm() {
     };
     let smtp = SmtpServer::start(&[]);
     let mut daemon = Daemon::start(daemon_env(&db, &smtp.url(), &[]));
-    eventually("the daemon to start", Duration::from_secs(10), || async {
-        daemon
-            .logs()
-            .iter()
-            .any(|l| l["message"] == "worker started")
-    })
-    .await;
+    daemon
+        .wait_for_log("worker started", Duration::from_secs(10))
+        .await;
     let mails: Vec<_> = (0..20)
         .map(|i| mail(&format!("secret.person{i}@example.org"), &format!("m{i}")))
         .collect();
@@ -287,11 +283,7 @@ async fn daemon_sends_logs_json_and_exits_0_on_sigterm() {
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 
-    let logs = daemon.logs();
-    let sent: Vec<_> = logs
-        .iter()
-        .filter(|l| l["message"] == "mail sent")
-        .collect();
+    let sent = daemon.logged("mail sent");
     assert_eq!(sent.len(), 20);
     for l in &sent {
         for field in [
@@ -316,7 +308,7 @@ async fn daemon_sends_logs_json_and_exits_0_on_sigterm() {
         "a full recipient address was logged"
     );
     assert!(!all.contains("Body of"), "a body was logged");
-    assert!(logs.iter().any(|l| l["message"] == "worker stopped"));
+    assert!(!daemon.logged("worker stopped").is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -355,13 +347,9 @@ async fn embedded_defaults_write_eml_files_and_wake_at_once() {
             ),
         ],
     );
-    eventually("the daemon to start", Duration::from_secs(20), || async {
-        daemon
-            .logs()
-            .iter()
-            .any(|l| l["message"] == "worker started")
-    })
-    .await;
+    daemon
+        .wait_for_log("worker started", Duration::from_secs(20))
+        .await;
     let warning = daemon
         .logs()
         .into_iter()

@@ -214,17 +214,9 @@ async fn closed_port_that_later_opens_spends_no_attempts(db: TestDb) {
         .collect();
     db.store.enqueue(&mails).await.unwrap();
     let mut daemon = Daemon::start(env);
-    eventually(
-        "relay unavailable logged",
-        Duration::from_secs(10),
-        || async {
-            daemon
-                .logs()
-                .iter()
-                .any(|l| l["message"] == "relay unavailable")
-        },
-    )
-    .await;
+    let first = daemon
+        .wait_for_log("relay unavailable", Duration::from_secs(10))
+        .await;
     // An outage of any length spends nothing.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
@@ -250,11 +242,7 @@ async fn closed_port_that_later_opens_spends_no_attempts(db: TestDb) {
     )
     .await;
     assert_eq!(sink.mails().len(), 30);
-    let line = daemon
-        .logs()
-        .into_iter()
-        .find(|l| l["message"] == "relay unavailable")
-        .unwrap();
+    let line = first;
     assert_eq!(line["level"], "WARN", "{line}");
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
@@ -272,22 +260,10 @@ async fn auth_rejected_needs_an_operator(db: TestDb) {
         ],
     );
     let mut daemon = Daemon::start(env);
-    eventually(
-        "relay unavailable logged",
-        Duration::from_secs(10),
-        || async {
-            daemon
-                .logs()
-                .iter()
-                .any(|l| l["message"] == "relay unavailable")
-        },
-    )
-    .await;
-    let line = daemon
-        .logs()
-        .into_iter()
-        .find(|l| l["message"] == "relay unavailable")
-        .unwrap();
+    let first = daemon
+        .wait_for_log("relay unavailable", Duration::from_secs(10))
+        .await;
+    let line = first;
     assert_eq!(line["level"], "ERROR", "AUTH needs an operator: {line}");
     assert!(line["error"].as_str().unwrap().contains("AUTH"), "{line}");
     assert!(
@@ -481,16 +457,8 @@ async fn two_daemons_send_each_mail_once(db: TestDb) {
     }
     assert_eq!(a.wait_exit(Duration::from_secs(10)).await, 0);
     assert_eq!(b.wait_exit(Duration::from_secs(10)).await, 0);
-    let by_a = a
-        .logs()
-        .iter()
-        .filter(|l| l["message"] == "mail sent")
-        .count();
-    let by_b = b
-        .logs()
-        .iter()
-        .filter(|l| l["message"] == "mail sent")
-        .count();
+    let by_a = a.logged("mail sent").len();
+    let by_b = b.logged("mail sent").len();
     assert_eq!(by_a + by_b, 2000);
     assert!(by_a > 0 && by_b > 0, "both daemons worked: {by_a} + {by_b}");
     let got = sink.mails();

@@ -646,6 +646,23 @@ impl Daemon {
             .collect()
     }
 
+    /// The log lines with this message.
+    pub fn logged(&self, message: &str) -> Vec<serde_json::Value> {
+        self.logs()
+            .into_iter()
+            .filter(|l| l["message"] == message)
+            .collect()
+    }
+
+    /// Waits for the first log line with this message, and returns it.
+    pub async fn wait_for_log(&self, message: &str, limit: Duration) -> serde_json::Value {
+        eventually(&format!("the log line {message:?}"), limit, || async {
+            !self.logged(message).is_empty()
+        })
+        .await;
+        self.logged(message).remove(0)
+    }
+
     pub fn signal(&self, name: &str) {
         let status = std::process::Command::new("kill")
             .args([&format!("-{name}"), &self.child.id().to_string()])
