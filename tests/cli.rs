@@ -131,6 +131,25 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
     assert!(bad.is_err());
 }
 
+/// `tablemail enqueue --jsonl` with `input` on stdin.
+fn enqueue_jsonl(env: &[(String, String)], input: &str) -> std::process::Output {
+    let mut child = tablemail()
+        .envs(env.iter().cloned())
+        .args(["enqueue", "--jsonl"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    child.wait_with_output().unwrap()
+}
+
 #[tokio::test]
 async fn enqueue_prints_ids_and_status_counts_them() {
     let Some(db) = TestDb::postgres().await else {
@@ -164,29 +183,18 @@ async fn enqueue_prints_ids_and_status_counts_them() {
     assert_eq!(code, 0, "{err}");
     let first: i64 = out.trim().parse().expect("an id");
 
-    let mut child = tablemail()
-        .envs(env())
-        .args(["enqueue", "--jsonl"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(
-            concat!(
-                r#"{"to_address": "b@example.com", "subject": "one"}"#, "\n",
-                r#"{"to_address": "c@example.com", "subject": "two", "headers": {"X-A": "1"}, "priority": 2}"#, "\n",
-                "\n",
-                r#"{"to_address": "d@example.com", "subject": "dup", "dedupe_key": "k1"}"#, "\n",
-            )
-            .as_bytes(),
-        )
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = enqueue_jsonl(
+        &env(),
+        concat!(
+            r#"{"to_address": "b@example.com", "subject": "one"}"#,
+            "\n",
+            r#"{"to_address": "c@example.com", "subject": "two", "headers": {"X-A": "1"}, "priority": 2}"#,
+            "\n",
+            "\n",
+            r#"{"to_address": "d@example.com", "subject": "dup", "dedupe_key": "k1"}"#,
+            "\n",
+        ),
+    );
     assert!(
         out.status.success(),
         "{}",
@@ -201,21 +209,10 @@ async fn enqueue_prints_ids_and_status_counts_them() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("exists already"));
 
     // Bad input: exit 2, nothing inserted (the whole batch is refused).
-    let mut child = tablemail()
-        .envs(env())
-        .args(["enqueue", "--jsonl"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"{\"to_address\": \"ok@example.com\"}\n{\"to_address\": \"not an address\"}\n")
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+    let out = enqueue_jsonl(
+        &env(),
+        "{\"to_address\": \"ok@example.com\"}\n{\"to_address\": \"not an address\"}\n",
+    );
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("line 2"));
     for bad in [
