@@ -9,6 +9,11 @@ use std::{fmt, path::Path, path::PathBuf, str::FromStr, time::Duration};
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Deserializer};
 
+use crate::{
+    smtp::{RelayOptions, Transport, TransportError, TransportKind},
+    store::{Store, StoreError},
+};
+
 /// Where the daemon looks for a config file when `--config` is not given.
 pub const SYSTEM_CONFIG_PATH: &str = "/etc/tablemail/tablemail.toml";
 
@@ -43,6 +48,10 @@ pub struct DatabaseSettings {
     pub max_connections: u32,
     /// Apply pending migrations when `run` starts; default true.
     pub migrate: bool,
+    /// Deadline of every database call: a connection whose packets vanish is
+    /// dropped after this long; default 30s.
+    #[serde(with = "humantime_serde")]
+    pub statement_timeout: Duration,
 }
 
 impl Default for DatabaseSettings {
@@ -51,7 +60,22 @@ impl Default for DatabaseSettings {
             url: SecretString::from("sqlite://tablemail.db"),
             max_connections: 8,
             migrate: true,
+            statement_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+impl DatabaseSettings {
+    /// The database client these settings name (the pool connects lazily).
+    pub async fn connect(&self) -> Result<std::sync::Arc<dyn Store>, StoreError> {
+        crate::store::connect_with(
+            self.url.expose_secret(),
+            crate::store::ConnectOptions {
+                max_connections: self.max_connections,
+                statement_timeout: self.statement_timeout,
+            },
+        )
+        .await
     }
 }
 
@@ -134,6 +158,9 @@ pub struct WorkerSettings {
     /// Drain time on SIGTERM; default 30s.
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
+    /// Relay-down outcomes one row may draw in a row while other mails go
+    /// through, before it spends attempts; default 3.
+    pub relay_down_limit: u32,
 }
 
 impl Default for WorkerSettings {
@@ -149,6 +176,7 @@ impl Default for WorkerSettings {
             ambiguous: Ambiguous::Resend,
             rate_limit: 0,
             shutdown_timeout: Duration::from_secs(30),
+            relay_down_limit: 3,
         }
     }
 }
@@ -306,7 +334,10 @@ impl Settings {
             config::Environment::with_prefix("TABLEMAIL")
                 .prefix_separator("__")
                 .separator("__")
-                .try_parsing(true)
+                // Values stay the strings they were: `00042` is a password,
+                // not the number 42. Numbers and booleans are still read
+                // from these strings where a key wants one.
+                .try_parsing(false)
                 .source(Some(env)),
         );
         let settings: Settings = builder
@@ -329,8 +360,11 @@ impl Settings {
         if self.database.max_connections < 2 {
             return Err(invalid("database.max_connections", "must be at least 2"));
         }
-        crate::transport::TransportKind::parse(&self.transport.url)
+        TransportKind::parse(&self.transport.url)
             .map_err(|e| invalid("transport.url", e.to_string()))?;
+        if self.database.statement_timeout < Duration::from_secs(1) {
+            return Err(invalid("database.statement_timeout", "must be at least 1s"));
+        }
         if self.transport.password.is_some() && self.transport.password_file.is_some() {
             return Err(invalid(
                 "transport.password_file",
@@ -382,26 +416,61 @@ impl Settings {
     }
 
     /// The SMTP password from `transport.password` or `transport.password_file`.
-    /// A relative `password_file` is looked up in `$CREDENTIALS_DIRECTORY` first,
-    /// which is where systemd's `LoadCredential=` puts it.
     pub fn smtp_password(&self) -> Result<Option<SecretString>> {
-        if let Some(p) = &self.transport.password {
+        self.transport.password()
+    }
+}
+
+impl TransportSettings {
+    /// The password from `password` or `password_file`.
+    pub fn password(&self) -> Result<Option<SecretString>> {
+        if let Some(p) = &self.password {
             return Ok(Some(p.clone()));
         }
-        let Some(path) = &self.transport.password_file else {
-            return Ok(None);
-        };
-        let path = match std::env::var_os("CREDENTIALS_DIRECTORY") {
-            Some(dir) if path.is_relative() => Path::new(&dir).join(path),
-            _ => path.clone(),
-        };
-        let text = std::fs::read_to_string(&path).map_err(|e| ConfigError::Invalid {
-            key: "transport.password_file",
-            reason: format!("cannot read {}: {e}", path.display()),
-        })?;
-        let secret = text.trim_end_matches(['\r', '\n']).to_string();
-        Ok(Some(SecretString::from(secret)))
+        match &self.password_file {
+            Some(path) => read_credential("transport.password_file", path).map(Some),
+            None => Ok(None),
+        }
     }
+
+    /// The relay client these settings name; `hello` is our name in EHLO.
+    pub fn client(&self, hello: &str) -> Result<Transport> {
+        let invalid = |e: TransportError| ConfigError::Invalid {
+            key: "transport.url",
+            reason: e.to_string(),
+        };
+        let kind = TransportKind::parse(&self.url).map_err(|e| invalid(e.into()))?;
+        Transport::new(RelayOptions {
+            kind,
+            username: self.username.clone(),
+            password: self.password()?,
+            hello: hello.to_string(),
+            timeout: self.timeout,
+            data_timeout: self.data_timeout,
+            pool_size: self.pool_size,
+            accept_invalid_certs: self.accept_invalid_certs,
+        })
+        .map_err(invalid)
+    }
+}
+
+/// A secret kept in a file: a relative path is looked up in
+/// `$CREDENTIALS_DIRECTORY` first, which is where systemd's `LoadCredential=`
+/// puts it. One trailing line break is not part of the secret.
+fn read_credential(key: &'static str, path: &Path) -> Result<SecretString> {
+    let path = match std::env::var_os("CREDENTIALS_DIRECTORY") {
+        Some(dir) if path.is_relative() => Path::new(&dir).join(path),
+        _ => path.to_path_buf(),
+    };
+    let text = std::fs::read_to_string(&path).map_err(|e| ConfigError::Invalid {
+        key,
+        reason: format!("cannot read {}: {e}", path.display()),
+    })?;
+    let secret = text
+        .strip_suffix('\n')
+        .map(|t| t.strip_suffix('\r').unwrap_or(t))
+        .unwrap_or(&text);
+    Ok(SecretString::from(secret.to_string()))
 }
 
 #[cfg(test)]
@@ -446,6 +515,28 @@ mod tests {
         assert_eq!(s.worker.retry_base, Duration::from_secs(5));
         assert_eq!(s.transport.max_message_size, ByteSize(1 << 20));
         assert_eq!(s.database.url.expose_secret(), "postgres://u@h/db");
+    }
+
+    #[test]
+    fn env_strings_arrive_verbatim() {
+        let s = Settings::load_from(
+            None,
+            env(&[
+                ("TABLEMAIL__TRANSPORT__USERNAME", "007"),
+                ("TABLEMAIL__TRANSPORT__PASSWORD", "00042"),
+                ("TABLEMAIL__DEFAULTS__FROM_NAME", "1e3"),
+                ("TABLEMAIL__WORKER__RATE_LIMIT", "0042"),
+                ("TABLEMAIL__DATABASE__MIGRATE", "false"),
+                ("TABLEMAIL__TRANSPORT__ACCEPT_INVALID_CERTS", "true"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.transport.username.as_deref(), Some("007"));
+        assert_eq!(s.smtp_password().unwrap().unwrap().expose_secret(), "00042");
+        assert_eq!(s.defaults.from_name.as_deref(), Some("1e3"));
+        assert_eq!(s.worker.rate_limit, 42);
+        assert!(!s.database.migrate);
+        assert!(s.transport.accept_invalid_certs);
     }
 
     #[test]

@@ -7,19 +7,21 @@
 //! remain, and releases stale locks left by crashed workers.
 //!
 //! # Layout
+//! Read bottom-up; the arrows run one way: `main -> commands -> worker ->
+//! {smtp, mail, store}`; `config` builds the clients; `metrics` sees outcomes,
+//! never the worker.
+//! - [`store`]: one `Store` interface, SQL per database, shared code once.
+//! - [`mail`]: a claimed row -> the message's bytes and envelope, validated.
+//! - [`smtp`]: the stage-aware SMTP client, its pool, the file transport.
+//! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
+//! - [`worker`]: the pipeline (claim -> send -> group commit), the outcome
+//!   policy, the relay gate, throttling, and the chores beside them.
+//! - [`config`]: `Settings`: defaults < file < `TABLEMAIL__*` environment.
+//! - [`telemetry`]: flat JSON or pretty logs that never block; redaction.
+//! - [`shutdown`]: SIGTERM | SIGINT -> `CancellationToken`.
+//! - [`systemd`]: READY/WATCHDOG/STOPPING notifications under `Type=notify`.
 //! - [`cli`]: the clap command line.
 //! - [`commands`]: what each command does (run, migrate, enqueue, status, …).
-//! - [`config`]: `Settings`: defaults < file < `TABLEMAIL__*` environment.
-//! - [`telemetry`]: JSON or pretty logs; address redaction.
-//! - [`shutdown`]: SIGTERM | SIGINT -> `CancellationToken`.
-//! - [`mail`]: a claimed row -> a lettre `Message`, with validation.
-//! - [`transport`]: stage-aware SMTP client and pool; the file transport.
-//! - [`retry`]: backoff arithmetic.
-//! - [`pace`]: `worker.rate_limit`, and slowing down when the relay throttles.
-//! - [`worker`]: claim -> send -> finalize, lock renewal, stale-lock sweeps.
-//! - [`store`]: the `Store` trait and one module per database.
-//! - [`metrics`]: `/metrics` (Prometheus) and `/healthz` on `metrics.listen`.
-//! - [`systemd`]: READY/WATCHDOG/STOPPING notifications under `Type=notify`.
 #![forbid(unsafe_code)]
 
 pub mod cli;
@@ -27,11 +29,9 @@ pub mod commands;
 pub mod config;
 pub mod mail;
 pub mod metrics;
-pub mod pace;
-pub mod retry;
 pub mod shutdown;
+pub mod smtp;
 pub mod store;
 pub mod systemd;
 pub mod telemetry;
-pub mod transport;
 pub mod worker;

@@ -62,8 +62,15 @@ pub struct MessageDefaults {
 pub struct PreparedMail {
     pub envelope: lettre::address::Envelope,
     pub bytes: Vec<u8>,
-    /// Recipient domains, comma separated, for the logs (never the full address).
-    pub recipient_domains: String,
+    /// Recipient domains, sorted, for throttling and the logs (never the
+    /// full address).
+    pub recipient_domains: Vec<String>,
+}
+
+impl PreparedMail {
+    pub fn domains(&self) -> impl Iterator<Item = &str> {
+        self.recipient_domains.iter().map(String::as_str)
+    }
 }
 
 /// Parses one bare address such as `a@example.com`.
@@ -254,7 +261,7 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
         .chain(&bcc)
         .map(|m| m.email.domain())
         .collect();
-    let recipient_domains = domains.into_iter().collect::<Vec<_>>().join(",");
+    let recipient_domains = domains.into_iter().map(str::to_string).collect();
 
     let mut builder = Message::builder()
         .from(from)
@@ -321,6 +328,7 @@ pub fn check_new(new: &NewMail, defaults: &MessageDefaults) -> Result<(), MailEr
         priority: new.priority.unwrap_or(0),
         attempts: 0,
         attempts_remaining: 0,
+        relay_down_count: 0,
         from_name: new.from_name.clone(),
         from_address: new.from_address.clone(),
         to_address: new.to_address.clone(),
@@ -369,6 +377,7 @@ mod tests {
             priority: 0,
             attempts: 1,
             attempts_remaining: 4,
+            relay_down_count: 0,
             from_name: Some("Shop".into()),
             from_address: Some("shop@example.com".into()),
             to_address: "Ann <ann@example.org>, bob@example.net".into(),
@@ -408,7 +417,10 @@ mod tests {
         let rcpts: Vec<String> = p.envelope.to().iter().map(|a| a.to_string()).collect();
         assert_eq!(rcpts.len(), 4);
         assert!(rcpts.contains(&"hidden@example.com".to_string()));
-        assert_eq!(p.recipient_domains, "example.com,example.net,example.org");
+        assert_eq!(
+            p.recipient_domains,
+            ["example.com", "example.net", "example.org"]
+        );
     }
 
     #[test]

@@ -6,7 +6,6 @@
 
 use std::{
     fmt::Write as _,
-    net::SocketAddr,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -20,58 +19,96 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::{
-    store::{FinalAction, Store},
-    worker::{Outcome, Worker},
-};
+use crate::store::Store;
 
 /// Upper bounds of the send-latency histogram, in seconds.
 const LATENCY_BUCKETS: [f64; 12] = [
     0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
 ];
 
-/// Counters the worker updates as it writes outcomes.
+/// A mail's outcome as logged and counted (DESIGN §5's `outcome` field).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Sent,
+    Retry,
+    Failed,
+    Ambiguous,
+    /// Back to `queued` with the attempt refunded (at once, or deferred).
+    Released,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Sent => "sent",
+            Outcome::Retry => "retry",
+            Outcome::Failed => "failed",
+            Outcome::Ambiguous => "ambiguous",
+            Outcome::Released => "released",
+        }
+    }
+
+    const ALL: [Outcome; 5] = [
+        Outcome::Sent,
+        Outcome::Retry,
+        Outcome::Failed,
+        Outcome::Ambiguous,
+        Outcome::Released,
+    ];
+}
+
+/// Counters the worker updates as it writes outcomes, and what it knows of
+/// the relay.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    sent: AtomicU64,
-    retried: AtomicU64,
-    failed: AtomicU64,
-    ambiguous: AtomicU64,
-    released: AtomicU64,
+    /// Per [`Outcome`], in the order of `Outcome::ALL`.
+    outcomes: [AtomicU64; 5],
     lock_lost: AtomicU64,
     /// Per bucket of `LATENCY_BUCKETS`, then +Inf.
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
     latency_sum_us: AtomicU64,
     latency_count: AtomicU64,
+    /// Why the relay is unavailable; `None` while it works.
+    relay_trouble: std::sync::Mutex<Option<String>>,
 }
 
 impl Metrics {
-    /// Counts one outcome as it is written (`written == false`: fenced out).
-    pub fn record(&self, outcome: &Outcome, written: bool) {
-        if !written {
+    /// Counts one outcome as it is written (`None`: fenced out, the lock
+    /// had been taken away), with the time its SMTP transaction took.
+    pub fn record(&self, outcome: Option<Outcome>, send_time: Option<Duration>) {
+        let Some(outcome) = outcome else {
             self.lock_lost.fetch_add(1, Ordering::Relaxed);
             return;
-        }
-        let counter = match (&outcome.write.action, outcome.ambiguous) {
-            (FinalAction::Sent, _) => &self.sent,
-            (FinalAction::Retry { .. } | FinalAction::Unknown { .. }, true) => &self.ambiguous,
-            (FinalAction::Retry { .. }, false) => &self.retried,
-            (FinalAction::Failed { .. }, _) | (FinalAction::Unknown { .. }, false) => &self.failed,
-            (FinalAction::Release, _) => &self.released,
         };
-        counter.fetch_add(1, Ordering::Relaxed);
+        let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.outcomes[i].fetch_add(1, Ordering::Relaxed);
         // Only mails that reached the relay have a send time.
-        if outcome.smtp_code.is_some() || outcome.ambiguous {
-            let seconds = outcome.elapsed_ms as f64 / 1000.0;
+        if let Some(time) = send_time {
+            let seconds = time.as_secs_f64();
             let bucket = LATENCY_BUCKETS
                 .iter()
                 .position(|le| seconds <= *le)
                 .unwrap_or(LATENCY_BUCKETS.len());
             self.latency_buckets[bucket].fetch_add(1, Ordering::Relaxed);
             self.latency_sum_us
-                .fetch_add(outcome.elapsed_ms * 1000, Ordering::Relaxed);
+                .fetch_add(time.as_micros() as u64, Ordering::Relaxed);
             self.latency_count.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// The relay was found unavailable.
+    pub fn relay_down(&self, reason: &str) {
+        *self.relay_trouble.lock().unwrap() = Some(reason.to_string());
+    }
+
+    /// A mail went through.
+    pub fn relay_up(&self) {
+        *self.relay_trouble.lock().unwrap() = None;
+    }
+
+    /// Why the relay is unavailable, if it is.
+    pub fn relay_trouble(&self) -> Option<String> {
+        self.relay_trouble.lock().unwrap().clone()
     }
 
     /// The counters in Prometheus text exposition format.
@@ -79,16 +116,11 @@ impl Metrics {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         out.push_str("# HELP tablemail_mails_total Mails by the outcome written for them.\n");
         out.push_str("# TYPE tablemail_mails_total counter\n");
-        for (outcome, counter) in [
-            ("sent", &self.sent),
-            ("retry", &self.retried),
-            ("failed", &self.failed),
-            ("ambiguous", &self.ambiguous),
-            ("released", &self.released),
-        ] {
+        for (outcome, counter) in Outcome::ALL.iter().zip(&self.outcomes) {
             let _ = writeln!(
                 out,
-                "tablemail_mails_total{{outcome=\"{outcome}\"}} {}",
+                "tablemail_mails_total{{outcome=\"{}\"}} {}",
+                outcome.as_str(),
                 get(counter)
             );
         }
@@ -126,7 +158,7 @@ impl Metrics {
 /// Serves `/metrics` and `/healthz` until `stop` fires.
 pub async fn serve(
     listener: TcpListener,
-    worker: Arc<Worker>,
+    metrics: Arc<Metrics>,
     store: Arc<dyn Store>,
     lock_timeout: Duration,
     stop: CancellationToken,
@@ -143,25 +175,20 @@ pub async fn serve(
                 }
             },
         };
-        let (worker, store) = (worker.clone(), store.clone());
+        let (metrics, store) = (metrics.clone(), store.clone());
         tokio::spawn(async move {
             let answer = tokio::time::timeout(
                 Duration::from_secs(10),
-                respond(stream, &worker, store.as_ref(), lock_timeout),
+                respond(stream, &metrics, store.as_ref(), lock_timeout),
             );
             let _ = answer.await;
         });
     }
 }
 
-/// Binds `metrics.listen`.
-pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    TcpListener::bind(addr).await
-}
-
 async fn respond(
     mut stream: TcpStream,
-    worker: &Worker,
+    metrics: &Metrics,
     store: &dyn Store,
     lock_timeout: Duration,
 ) -> std::io::Result<()> {
@@ -179,8 +206,8 @@ async fn respond(
     let mut words = head.split_whitespace();
     let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
     let (status, body) = match (method, path) {
-        ("GET", "/metrics") => ("200 OK", metrics_text(worker, store, lock_timeout).await),
-        ("GET", "/healthz") => health(worker, store).await,
+        ("GET", "/metrics") => ("200 OK", metrics_text(metrics, store, lock_timeout).await),
+        ("GET", "/healthz") => health(metrics, store).await,
         ("GET", _) => ("404 Not Found", "not found\n".to_string()),
         _ => ("405 Method Not Allowed", "GET only\n".to_string()),
     };
@@ -198,16 +225,20 @@ async fn respond(
 }
 
 /// 200 while the database answers and the relay is not known to be down.
-async fn health(worker: &Worker, store: &dyn Store) -> (&'static str, String) {
+async fn health(metrics: &Metrics, store: &dyn Store) -> (&'static str, String) {
     let database = matches!(
         tokio::time::timeout(Duration::from_secs(2), store.ping()).await,
         Ok(Ok(()))
     );
-    let relay = worker.relay().is_up();
+    let trouble = metrics.relay_trouble();
+    let relay = trouble.is_none();
     let body = format!(
         "database: {}\nrelay: {}\n",
         if database { "ok" } else { "unreachable" },
-        if relay { "ok" } else { "unavailable" }
+        match &trouble {
+            None => "ok".to_string(),
+            Some(reason) => format!("unavailable: {reason}"),
+        }
     );
     if database && relay {
         ("200 OK", body)
@@ -216,9 +247,9 @@ async fn health(worker: &Worker, store: &dyn Store) -> (&'static str, String) {
     }
 }
 
-async fn metrics_text(worker: &Worker, store: &dyn Store, lock_timeout: Duration) -> String {
+async fn metrics_text(metrics: &Metrics, store: &dyn Store, lock_timeout: Duration) -> String {
     let mut out = String::with_capacity(4096);
-    worker.metrics().render_counters(&mut out);
+    metrics.render_counters(&mut out);
     out.push_str(
         "# HELP tablemail_relay_up 1 unless the relay was found unavailable and not yet back.\n",
     );
@@ -226,7 +257,7 @@ async fn metrics_text(worker: &Worker, store: &dyn Store, lock_timeout: Duration
     let _ = writeln!(
         out,
         "tablemail_relay_up {}",
-        u8::from(worker.relay().is_up())
+        u8::from(metrics.relay_trouble().is_none())
     );
     let stats = tokio::time::timeout(Duration::from_secs(5), store.stats(lock_timeout)).await;
     let stats = match stats {

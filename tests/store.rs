@@ -18,7 +18,9 @@ for_each_backend!(
     fencing_protects_the_new_owner,
     renewal_keeps_locks_fresh,
     stale_locks_are_released,
+    the_sweep_spares_the_locks_this_process_holds,
     finalize_writes_each_outcome,
+    deferrals_refund_and_count_relay_down_outcomes,
     dedupe_reports_the_existing_row,
     status_counts_and_ages,
     retry_cancel_and_purge,
@@ -141,7 +143,7 @@ async fn fencing_protects_the_new_owner(db: TestDb) {
     .await;
     assert_eq!(
         db.store
-            .release_stale_locks(Duration::from_secs(60))
+            .release_stale_locks(Duration::from_secs(60), &[])
             .await
             .unwrap()
             .len(),
@@ -156,6 +158,7 @@ async fn fencing_protects_the_new_owner(db: TestDb) {
             &old,
             FinalAction::Failed {
                 error: "old owner".into(),
+                relay_down: false,
             },
         )])
         .await
@@ -185,10 +188,10 @@ async fn renewal_keeps_locks_fresh(db: TestDb) {
         db.minus("locked_at", 3600)
     ))
     .await;
-    assert_eq!(db.store.renew_locks(&[a.lock]).await.unwrap(), 1);
+    assert_eq!(db.store.renew_locks(&[(a.id, a.lock)]).await.unwrap(), 1);
     let released = db
         .store
-        .release_stale_locks(Duration::from_secs(60))
+        .release_stale_locks(Duration::from_secs(60), &[])
         .await
         .unwrap();
     assert_eq!(released.len(), 1);
@@ -207,7 +210,7 @@ async fn stale_locks_are_released(db: TestDb) {
     claimed(&db, 10).await;
     assert!(db
         .store
-        .release_stale_locks(Duration::from_secs(60))
+        .release_stale_locks(Duration::from_secs(60), &[])
         .await
         .unwrap()
         .is_empty());
@@ -218,7 +221,7 @@ async fn stale_locks_are_released(db: TestDb) {
     .await;
     let mut released = db
         .store
-        .release_stale_locks(Duration::from_secs(60))
+        .release_stale_locks(Duration::from_secs(60), &[])
         .await
         .unwrap();
     released.sort_by_key(|r| r.id);
@@ -235,6 +238,75 @@ async fn stale_locks_are_released(db: TestDb) {
     assert!(row.last_error.unwrap().starts_with("lock expired"));
 }
 
+async fn the_sweep_spares_the_locks_this_process_holds(db: TestDb) {
+    db.enqueue(mail("a@example.com", "x")).await;
+    db.enqueue(mail("b@example.com", "y")).await;
+    let ours = claimed(&db, 1).await.remove(0);
+    let theirs = claimed(&db, 1).await.remove(0);
+    // Both look stale (say this process's renewals have been failing).
+    db.exec(&format!(
+        "UPDATE mail_queue SET locked_at = {}",
+        db.minus("locked_at", 3600)
+    ))
+    .await;
+    let released = db
+        .store
+        .release_stale_locks(Duration::from_secs(60), &[ours.lock])
+        .await
+        .unwrap();
+    assert_eq!(released.len(), 1);
+    assert_eq!(released[0].id, theirs.id);
+    assert_eq!(db.row(ours.id).await.status, "sending");
+    assert_eq!(db.row(theirs.id).await.status, "queued");
+}
+
+async fn deferrals_refund_and_count_relay_down_outcomes(db: TestDb) {
+    let id = db.enqueue(mail("a@example.com", "x")).await;
+    let defer = |counted| FinalAction::Defer {
+        delay: Duration::from_secs(600),
+        error: "RCPT TO: 421 4.7.0 later".into(),
+        counted,
+    };
+    let mut before = 0;
+    for (counted, after) in [(true, 1), (true, 2), (false, 2)] {
+        db.make_due().await;
+        let m = claimed(&db, 1).await.remove(0);
+        assert_eq!(m.relay_down_count, before, "the claim returns the count");
+        let written = db.store.finalize(&[finalize(&m, defer(counted))]).await;
+        assert_eq!(written.unwrap(), [id]);
+        let row = db.row(id).await;
+        assert_eq!(
+            (row.status.as_str(), row.attempts, row.attempts_remaining),
+            ("queued", 0, 5),
+            "a deferral spends nothing"
+        );
+        assert!(row.scheduled && row.processed && !row.locked);
+        assert_eq!(row.relay_down_count, after);
+        assert_eq!(row.last_error.as_deref(), Some("RCPT TO: 421 4.7.0 later"));
+        before = after;
+    }
+    // Past the limit, the attempt is spent and the count goes on; a success
+    // ends the run.
+    db.make_due().await;
+    let m = claimed(&db, 1).await.remove(0);
+    let spend = FinalAction::Retry {
+        delay: Duration::ZERO,
+        error: "RCPT TO: 421 4.7.0 later".into(),
+        relay_down: true,
+    };
+    db.store.finalize(&[finalize(&m, spend)]).await.unwrap();
+    let row = db.row(id).await;
+    assert_eq!((row.attempts, row.relay_down_count), (1, 3));
+    db.make_due().await;
+    let m = claimed(&db, 1).await.remove(0);
+    db.store
+        .finalize(&[finalize(&m, FinalAction::Sent)])
+        .await
+        .unwrap();
+    let row = db.row(id).await;
+    assert_eq!((row.status.as_str(), row.relay_down_count), ("sent", 0));
+}
+
 async fn finalize_writes_each_outcome(db: TestDb) {
     for i in 0..5 {
         db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
@@ -247,12 +319,14 @@ async fn finalize_writes_each_outcome(db: TestDb) {
             FinalAction::Retry {
                 delay: Duration::from_secs(600),
                 error: "RCPT TO: 451 later".into(),
+                relay_down: false,
             },
         ),
         finalize(
             &batch[2],
             FinalAction::Failed {
                 error: "RCPT TO: 550 no".into(),
+                relay_down: false,
             },
         ),
         finalize(
@@ -322,6 +396,7 @@ async fn status_counts_and_ages(db: TestDb) {
                 &batch[1],
                 FinalAction::Failed {
                     error: "RCPT TO: 550 nobody".into(),
+                    relay_down: false,
                 },
             ),
         ])
@@ -371,6 +446,7 @@ async fn retry_cancel_and_purge(db: TestDb) {
                 &batch[0],
                 FinalAction::Failed {
                     error: "550".into(),
+                    relay_down: false,
                 },
             ),
             finalize(

@@ -1,33 +1,88 @@
-//! The `Store` trait: every database operation tablemail performs, one
-//! implementation per backend. SQL lives only in the backend files.
+//! The database: every operation tablemail performs on `mail_queue`, one
+//! interface ([`Store`]) and one file per backend. SQL lives only in the
+//! backend files; what is the same on every database is written once in
+//! [`shared`].
 //!
-//! The row life cycle (`queued -> sending -> sent | failed | unknown`) is enforced
-//! here: claims spend an attempt, and every later write to a claimed row is fenced
-//! by `id`, `thread_lock` and `status = 'sending'`, so a worker whose lock was
-//! taken away cannot overwrite the new owner's state.
+//! The row life cycle (`queued -> sending -> sent | failed | unknown`) is
+//! enforced here: claims spend an attempt, and every later write to a claimed
+//! row is fenced by `id`, `thread_lock` and `status = 'sending'`, so a worker
+//! whose lock was taken away cannot overwrite the new owner's state. Every call
+//! has a deadline (`database.statement_timeout`): a connection whose packets
+//! vanish is dropped, not waited on.
 
 use std::{fmt, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
-use sqlx::{ColumnIndex, Decode, Row, Type};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+mod migrations;
 pub mod mysql;
 pub mod postgres;
+mod shared;
 pub mod sqlite;
 
+pub use shared::Common;
+
+/// What went wrong with the database, by what an operator does about it.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// The database cannot be reached or dropped the connection: wait and retry.
+    #[error("database unavailable: {0}")]
+    Unavailable(sqlx::Error),
+    /// A call outlived `database.statement_timeout`; its connection was dropped.
+    #[error("database did not answer within {}", humantime::format_duration(*.0))]
+    Timeout(Duration),
+    /// The table is missing or lacks a column: run `tablemail migrate`.
+    #[error("database schema: {0} (run `tablemail migrate`)")]
+    Schema(sqlx::Error),
+    /// A unique or check constraint refused the write.
+    #[error("database refused the write: {0}")]
+    Conflict(sqlx::Error),
     #[error("database: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
     #[error("migration: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("{0}")]
     Unsupported(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        use sqlx::Error as E;
+        match &e {
+            E::Io(_) | E::Tls(_) | E::PoolTimedOut | E::PoolClosed | E::WorkerCrashed => {
+                StoreError::Unavailable(e)
+            }
+            E::Protocol(_) => StoreError::Unavailable(e),
+            E::ColumnNotFound(_) => StoreError::Schema(e),
+            E::Database(db) => {
+                let code = db.code().unwrap_or_default();
+                let message = db.message();
+                if db.is_unique_violation() || db.is_check_violation() {
+                    StoreError::Conflict(e)
+                } else if matches!(code.as_ref(), "42P01" | "42703" | "1146" | "1054")
+                    || message.starts_with("no such table")
+                    || message.starts_with("no such column")
+                    || message.contains("has no column named")
+                {
+                    StoreError::Schema(e)
+                } else if matches!(
+                    code.as_ref(),
+                    "57P01" | "57P02" | "57P03" | "08006" | "08003"
+                ) {
+                    // Server shutting down, crashed or restarting.
+                    StoreError::Unavailable(e)
+                } else {
+                    StoreError::Database(e)
+                }
+            }
+            _ => StoreError::Database(e),
+        }
+    }
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -65,18 +120,13 @@ impl fmt::Display for Backend {
 }
 
 /// The GUID that one claimed batch holds in `thread_lock`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BatchLock(pub Uuid);
 
 impl BatchLock {
+    /// A fresh v4 GUID: every claim takes a new one.
     pub fn new() -> Self {
         BatchLock(Uuid::new_v4())
-    }
-}
-
-impl Default for BatchLock {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -107,6 +157,9 @@ pub struct QueuedMail {
     pub attempts: i32,
     /// Tries left after this one.
     pub attempts_remaining: i32,
+    /// Relay-down outcomes this row drew in a row while other mails went
+    /// through (`worker.relay_down_limit`).
+    pub relay_down_count: i32,
     pub from_name: Option<String>,
     pub from_address: Option<String>,
     pub to_address: String,
@@ -131,31 +184,123 @@ pub struct Finalize {
     pub action: FinalAction,
 }
 
+/// What becomes of a claimed row. Every variant clears the lock.
 #[derive(Debug, Clone, PartialEq)]
 pub enum FinalAction {
-    /// `sent`, lock cleared.
+    /// `sent`.
     Sent,
     /// Back to `queued`, `send_at = now() + delay`, the attempt stays spent.
-    Retry { delay: Duration, error: String },
+    /// `relay_down`: the failure was a relay-down outcome past
+    /// `worker.relay_down_limit` (the row's count goes on).
+    Retry {
+        delay: Duration,
+        error: String,
+        relay_down: bool,
+    },
     /// `failed` for good.
-    Failed { error: String },
+    Failed { error: String, relay_down: bool },
     /// `unknown`: the relay may have the mail; an operator decides.
     Unknown { error: String },
-    /// Back to `queued` untouched, the attempt refunded (relay down, shutdown).
+    /// Back to `queued` as it was, the attempt refunded: never tried (relay
+    /// unavailable, shutdown before ".").
     Release,
+    /// Back to `queued` with the attempt refunded, but later:
+    /// `send_at = now() + delay`, `last_error` says why. `counted`: a
+    /// relay-down outcome that only this row drew (`relay_down_count + 1`).
+    Defer {
+        delay: Duration,
+        error: String,
+        counted: bool,
+    },
+}
+
+/// What happens to `relay_down_count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CountWrite {
+    Reset = 0,
+    Increment = 1,
+    Keep = 2,
+}
+
+/// The columns a finalize writes, the same on every backend.
+#[derive(Debug, Clone, Copy)]
+pub struct FinalColumns<'a> {
+    pub status: &'static str,
+    /// `send_at = now() + delay_ms`; negative: `send_at` stays.
+    pub delay_ms: i64,
+    /// New `last_error`; `None` keeps the old one.
+    pub error: Option<&'a str>,
+    /// Give the attempt back.
+    pub refund: bool,
+    /// `processed_at = now()`.
+    pub processed: bool,
+    pub relay_down: CountWrite,
 }
 
 impl FinalAction {
-    /// The columns a backend writes: status, delay in ms, last_error, refund.
-    pub fn columns(&self) -> (&'static str, i64, Option<&str>, bool) {
-        match self {
-            FinalAction::Sent => ("sent", 0, None, false),
-            FinalAction::Retry { delay, error } => {
-                ("queued", delay.as_millis() as i64, Some(error), false)
+    pub fn columns(&self) -> FinalColumns<'_> {
+        let spent = |relay_down: bool| {
+            if relay_down {
+                CountWrite::Increment
+            } else {
+                CountWrite::Reset
             }
-            FinalAction::Failed { error } => ("failed", 0, Some(error), false),
-            FinalAction::Unknown { error } => ("unknown", 0, Some(error), false),
-            FinalAction::Release => ("queued", 0, None, true),
+        };
+        let (status, delay_ms, error, refund, processed, relay_down) = match self {
+            FinalAction::Sent => ("sent", -1, None, false, true, CountWrite::Reset),
+            FinalAction::Retry {
+                delay,
+                error,
+                relay_down,
+            } => (
+                "queued",
+                shared::millis(*delay),
+                Some(error.as_str()),
+                false,
+                true,
+                spent(*relay_down),
+            ),
+            FinalAction::Failed { error, relay_down } => (
+                "failed",
+                -1,
+                Some(error.as_str()),
+                false,
+                true,
+                spent(*relay_down),
+            ),
+            FinalAction::Unknown { error } => (
+                "unknown",
+                -1,
+                Some(error.as_str()),
+                false,
+                true,
+                CountWrite::Reset,
+            ),
+            FinalAction::Release => ("queued", -1, None, true, false, CountWrite::Keep),
+            FinalAction::Defer {
+                delay,
+                error,
+                counted,
+            } => (
+                "queued",
+                shared::millis(*delay),
+                Some(error.as_str()),
+                true,
+                true,
+                if *counted {
+                    CountWrite::Increment
+                } else {
+                    CountWrite::Keep
+                },
+            ),
+        };
+        FinalColumns {
+            status,
+            delay_ms,
+            error,
+            refund,
+            processed,
+            relay_down,
         }
     }
 }
@@ -169,7 +314,7 @@ pub struct StaleRow {
 }
 
 /// One mail to insert, with the column names of `mail_queue`.
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NewMail {
     pub to_address: String,
@@ -203,57 +348,8 @@ pub struct NewMail {
     pub message_id: Option<String>,
 }
 
-/// A value bound into an INSERT.
-#[derive(Debug, Clone)]
-pub enum Param<'a> {
-    Text(&'a str),
-    Int(i32),
-    Time(DateTime<Utc>),
-    Json(String),
-}
-
-impl NewMail {
-    /// The columns this mail sets; absent ones take the table's defaults.
-    pub fn columns(&self) -> Vec<(&'static str, Param<'_>)> {
-        let mut cols = vec![("to_address", Param::Text(&self.to_address))];
-        let texts = [
-            ("subject", &self.subject),
-            ("body", &self.body),
-            ("body_html", &self.body_html),
-            ("cc", &self.cc),
-            ("bcc", &self.bcc),
-            ("reply_to", &self.reply_to),
-            ("from_name", &self.from_name),
-            ("from_address", &self.from_address),
-            ("dedupe_key", &self.dedupe_key),
-            ("message_id", &self.message_id),
-        ];
-        for (name, value) in texts {
-            if let Some(v) = value {
-                cols.push((name, Param::Text(v)));
-            }
-        }
-        if let Some(p) = self.priority {
-            cols.push(("priority", Param::Int(p)));
-        }
-        if let Some(a) = self.attempts_remaining {
-            cols.push(("attempts_remaining", Param::Int(a)));
-        }
-        if let Some(t) = self.send_at {
-            cols.push(("send_at", Param::Time(t)));
-        }
-        if let Some(h) = &self.headers {
-            cols.push((
-                "headers",
-                Param::Json(serde_json::Value::Object(h.clone()).to_string()),
-            ));
-        }
-        cols
-    }
-}
-
 /// The result of inserting one [`NewMail`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Enqueued {
     pub id: i64,
     /// Its `dedupe_key` was already taken; `id` is the existing row.
@@ -291,6 +387,21 @@ pub struct RecentFailure {
     pub last_error: Option<String>,
 }
 
+/// What `tablemail status` shows.
+#[derive(Debug, Clone, Default)]
+pub struct QueueStats {
+    pub counts: Vec<StatusCount>,
+    /// Seconds since the oldest due `queued` row became due.
+    pub oldest_due_age_seconds: Option<f64>,
+    /// `sending` rows whose lock is older than the lock timeout.
+    pub stale_locks: i64,
+    /// Rows sent in the last minute, five minutes, fifteen minutes.
+    pub sent_last_1m: i64,
+    pub sent_last_5m: i64,
+    pub sent_last_15m: i64,
+    pub recent_failures: Vec<RecentFailure>,
+}
+
 impl QueueStats {
     /// Rows with this status.
     pub fn count(&self, status: &str) -> i64 {
@@ -299,6 +410,14 @@ impl QueueStats {
             .find(|c| c.status == status)
             .map_or(0, |c| c.count)
     }
+}
+
+/// A recent failure or deferral: the row's status and its `last_error`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailureReason {
+    /// `failed`, `unknown`, or `queued` (deferred or waiting to retry).
+    pub status: String,
+    pub last_error: String,
 }
 
 /// Finished rows that retention deletes, each kind with its own age.
@@ -317,30 +436,31 @@ pub enum Maintenance {
     CannotVacuum { dead_rows: i64 },
 }
 
-/// What `tablemail status` shows.
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct QueueStats {
-    pub counts: Vec<StatusCount>,
-    /// Seconds since the oldest due `queued` row became due.
-    pub oldest_due_age_seconds: Option<f64>,
-    /// `sending` rows whose lock is older than the lock timeout.
-    pub stale_locks: i64,
-    /// Rows sent in the last minute, five minutes, fifteen minutes.
-    pub sent_last_1m: i64,
-    pub sent_last_5m: i64,
-    pub sent_last_15m: i64,
-    pub recent_failures: Vec<RecentFailure>,
+/// How to connect: `database.*`.
+#[derive(Debug, Clone, Copy)]
+pub struct ConnectOptions {
+    pub max_connections: u32,
+    /// Deadline of every call (`database.statement_timeout`).
+    pub statement_timeout: Duration,
 }
 
+impl ConnectOptions {
+    pub fn new(max_connections: u32) -> Self {
+        ConnectOptions {
+            max_connections,
+            statement_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One database. The operations that differ per backend are this trait's;
+/// those that are the same everywhere come from [`Common`], written once.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     fn backend(&self) -> Backend;
 
-    /// Applies pending migrations (safe to run from several daemons at once).
-    async fn migrate(&self) -> Result<()>;
-
-    /// One round-trip to the database.
-    async fn ping(&self) -> Result<()>;
+    /// The operations every backend shares (counts, retry, cancel, purge…).
+    fn common(&self) -> &dyn Common;
 
     /// Takes up to `claim.limit` due rows, highest priority first, then oldest
     /// `send_at`, then `id`, skipping rows other workers hold. Marks them
@@ -351,54 +471,22 @@ pub trait Store: Send + Sync + 'static {
     /// that were written; the others had been taken away from this worker.
     async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>>;
 
-    /// Moves `locked_at` of rows still held under `locks` to now.
-    async fn renew_locks(&self, locks: &[BatchLock]) -> Result<u64>;
+    /// Moves `locked_at` of these held rows to now, taking row locks in id
+    /// order (as finalize does), so two daemons never deadlock.
+    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64>;
 
-    /// Takes back `sending` rows whose `locked_at` is older than `older_than`:
+    /// Takes back `sending` rows whose `locked_at` is older than `older_than`
+    /// and whose lock is not one of `spare` (this process's own):
     /// `queued` (the attempt stays spent), or `failed` when none remains.
-    async fn release_stale_locks(&self, older_than: Duration) -> Result<Vec<StaleRow>>;
+    async fn release_stale_locks(
+        &self,
+        older_than: Duration,
+        spare: &[BatchLock],
+    ) -> Result<Vec<StaleRow>>;
 
     /// Inserts mails in one transaction; a taken `dedupe_key` inserts nothing
     /// and reports the existing row.
     async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>>;
-
-    /// Counts and ages for `tablemail status`.
-    async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats>;
-
-    /// `last_error` of up to `limit` rows that ended `failed` or `unknown`
-    /// within `within`, newest first.
-    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>>;
-
-    /// `failed`/`unknown` rows back to `queued` with `attempts` fresh tries.
-    async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64>;
-
-    /// A `queued` row to `cancelled`.
-    async fn cancel(&self, id: i64) -> Result<u64>;
-
-    /// Deletes up to `limit` rows of one kind finished longer than
-    /// `older_than` ago, oldest first.
-    async fn purge_finished(
-        &self,
-        kind: Finished,
-        older_than: Duration,
-        limit: usize,
-    ) -> Result<u64>;
-
-    /// Deletes up to `limit` finished rows past their retention.
-    async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
-        let mut deleted = 0;
-        for (kind, age) in [
-            (Finished::Sent, sent),
-            (Finished::FailedOrCancelled, failed),
-        ] {
-            let left = limit as u64 - deleted;
-            if left == 0 {
-                break;
-            }
-            deleted += self.purge_finished(kind, age, left as usize).await?;
-        }
-        Ok(deleted)
-    }
 
     /// Housekeeping the database may need from us: PostgreSQL with
     /// autovacuum off (or far behind) gets its dead rows vacuumed, since they
@@ -416,149 +504,68 @@ pub trait Store: Send + Sync + 'static {
     ) -> Option<&'static str> {
         None
     }
-}
 
-/// Connects to the database named by `url`.
-pub async fn connect(url: &str, max_connections: u32) -> Result<Arc<dyn Store>> {
-    match Backend::from_url(url).map_err(StoreError::Unsupported)? {
-        Backend::Postgres => Ok(Arc::new(
-            postgres::PgStore::connect(url, max_connections).await?,
-        )),
-        Backend::Sqlite => Ok(Arc::new(
-            sqlite::SqliteStore::connect(url, max_connections).await?,
-        )),
-        Backend::Mysql => Ok(Arc::new(
-            mysql::MySqlStore::connect(url, max_connections).await?,
-        )),
+    /// Applies pending migrations (safe to run from several daemons at once).
+    async fn migrate(&self) -> Result<()> {
+        self.common().migrate().await
+    }
+
+    /// One round-trip to the database.
+    async fn ping(&self) -> Result<()> {
+        self.common().ping().await
+    }
+
+    /// Counts and ages for `tablemail status`.
+    async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
+        self.common().stats(lock_timeout).await
+    }
+
+    /// Rows that failed, went unknown or were deferred or retried with an
+    /// error within `within`, newest first, at most `limit`.
+    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<FailureReason>> {
+        self.common().failure_reasons(within, limit).await
+    }
+
+    /// `failed`/`unknown` rows back to `queued` with `attempts` fresh tries.
+    async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
+        self.common().retry(which, attempts).await
+    }
+
+    /// A `queued` row to `cancelled`.
+    async fn cancel(&self, id: i64) -> Result<u64> {
+        self.common().cancel(id).await
+    }
+
+    /// Deletes up to `limit` finished rows past their retention, oldest first.
+    async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
+        let mut deleted = 0;
+        for (kind, age) in [
+            (Finished::Sent, sent),
+            (Finished::FailedOrCancelled, failed),
+        ] {
+            let left = limit as u64 - deleted;
+            if left == 0 {
+                break;
+            }
+            deleted += self
+                .common()
+                .purge_finished(kind, age, left as usize)
+                .await?;
+        }
+        Ok(deleted)
     }
 }
 
-/// Decodes a claimed row; the SQL of every backend returns these column names.
-pub(crate) fn queued_mail_from_row<'r, R>(row: &'r R, lock: BatchLock) -> Result<QueuedMail>
-where
-    R: Row,
-    &'r str: ColumnIndex<R>,
-    i64: Decode<'r, R::Database> + Type<R::Database>,
-    i32: Decode<'r, R::Database> + Type<R::Database>,
-    bool: Decode<'r, R::Database> + Type<R::Database>,
-    String: Decode<'r, R::Database> + Type<R::Database>,
-{
-    Ok(QueuedMail {
-        id: row.try_get("id")?,
-        lock,
-        priority: row.try_get("priority")?,
-        attempts: row.try_get("attempts")?,
-        attempts_remaining: row.try_get("attempts_remaining")?,
-        from_name: row.try_get("from_name")?,
-        from_address: row.try_get("from_address")?,
-        to_address: row.try_get("to_address")?,
-        cc: row.try_get("cc")?,
-        bcc: row.try_get("bcc")?,
-        reply_to: row.try_get("reply_to")?,
-        subject: row.try_get("subject")?,
-        body: row.try_get("body")?,
-        body_html: row.try_get("body_html")?,
-        headers: row.try_get("headers")?,
-        message_id: row.try_get("message_id")?,
-        expired: row.try_get("expired")?,
-    })
+/// Connects to the database named by `url` (the pool connects lazily).
+pub async fn connect(url: &str, max_connections: u32) -> Result<Arc<dyn Store>> {
+    connect_with(url, ConnectOptions::new(max_connections)).await
 }
 
-/// Builds [`QueueStats`] from the rows of the three status queries, whose
-/// column names every backend shares.
-pub(crate) fn queue_stats<'r, R>(
-    counts: &'r [R],
-    ages: &'r R,
-    failures: &'r [R],
-) -> Result<QueueStats>
-where
-    R: Row,
-    &'r str: ColumnIndex<R>,
-    i64: Decode<'r, R::Database> + Type<R::Database>,
-    f64: Decode<'r, R::Database> + Type<R::Database>,
-    String: Decode<'r, R::Database> + Type<R::Database>,
-    DateTime<Utc>: Decode<'r, R::Database> + Type<R::Database>,
-{
-    let counts = counts
-        .iter()
-        .map(|r| {
-            Ok(StatusCount {
-                status: r.try_get("status")?,
-                count: r.try_get("count")?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    let recent_failures = failures
-        .iter()
-        .map(|r| {
-            Ok(RecentFailure {
-                id: r.try_get("id")?,
-                status: r.try_get("status")?,
-                processed_at: r.try_get("processed_at")?,
-                last_error: r.try_get("last_error")?,
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(QueueStats {
-        counts,
-        oldest_due_age_seconds: ages.try_get("oldest_due")?,
-        stale_locks: ages.try_get("stale")?,
-        sent_last_1m: ages.try_get("sent_1m")?,
-        sent_last_5m: ages.try_get("sent_5m")?,
-        sent_last_15m: ages.try_get("sent_15m")?,
-        recent_failures,
-    })
-}
-
-/// Decodes the rows `release_stale_locks` reports (`id`, `requeued`).
-pub(crate) fn stale_rows<'r, R>(rows: &'r [R]) -> Result<Vec<StaleRow>>
-where
-    R: Row,
-    &'r str: ColumnIndex<R>,
-    i64: Decode<'r, R::Database> + Type<R::Database>,
-    bool: Decode<'r, R::Database> + Type<R::Database>,
-{
-    rows.iter()
-        .map(|r| {
-            Ok(StaleRow {
-                id: r.try_get("id")?,
-                requeued: r.try_get("requeued")?,
-            })
-        })
-        .collect()
-}
-
-/// Milliseconds for SQL interval arithmetic.
-pub(crate) fn millis(d: Duration) -> i64 {
-    d.as_millis().min(i64::MAX as u128) as i64
-}
-
-/// The outcomes as one JSON array, for backends without array parameters.
-pub(crate) fn finalize_json(writes: &[Finalize]) -> String {
-    let items: Vec<serde_json::Value> = writes
-        .iter()
-        .map(|w| {
-            let (status, delay_ms, error, refund) = w.action.columns();
-            serde_json::json!({
-                "id": w.id,
-                "lock": w.lock.to_string(),
-                "status": status,
-                "delay_ms": delay_ms,
-                "error": error,
-                "refund": refund as i32,
-            })
-        })
-        .collect();
-    serde_json::Value::Array(items).to_string()
-}
-
-/// Lock GUIDs as one JSON array of strings.
-pub(crate) fn locks_json(locks: &[BatchLock]) -> String {
-    serde_json::Value::Array(
-        locks
-            .iter()
-            .map(|l| serde_json::Value::String(l.to_string()))
-            .collect(),
-    )
-    .to_string()
+/// Connects with every option of `database.*`.
+pub async fn connect_with(url: &str, options: ConnectOptions) -> Result<Arc<dyn Store>> {
+    match Backend::from_url(url).map_err(StoreError::Unsupported)? {
+        Backend::Postgres => Ok(Arc::new(postgres::PgStore::connect(url, options)?)),
+        Backend::Sqlite => Ok(Arc::new(sqlite::SqliteStore::connect(url, options)?)),
+        Backend::Mysql => Ok(Arc::new(mysql::MySqlStore::connect(url, options)?)),
+    }
 }

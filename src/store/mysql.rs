@@ -2,37 +2,42 @@
 //! short READ COMMITTED transaction (no gap locks in the way of applications'
 //! INSERTs), stamp them with the batch GUID and read them back, since MariaDB
 //! has no `UPDATE … RETURNING`. Finalize joins `JSON_TABLE` of the outcomes.
-//! Times are UTC `DATETIME(6)`; there is no NOTIFY, so idle daemons poll.
+//! Rows are always locked in id order (finalize and lock renewal alike), so
+//! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
+//! NOTIFY, so idle daemons poll.
 
-use std::{borrow::Cow, str::FromStr, time::Duration};
+use std::{str::FromStr, time::Duration};
 
 use async_trait::async_trait;
 use sqlx::{
-    migrate::{Migration, MigrationType, Migrator},
-    mysql::{MySqlConnectOptions, MySqlPool, MySqlPoolOptions},
-    AssertSqlSafe, ConnectOptions, Executor, Row, SqlStr,
+    mysql::{MySqlConnectOptions, MySqlPoolOptions},
+    AssertSqlSafe, ConnectOptions as _, Connection, Executor, Row,
 };
 use uuid::Uuid;
 
 use super::{
-    finalize_json, millis, queue_stats, queued_mail_from_row, stale_rows, Backend, BatchLock,
-    Claim, Enqueued, Finalize, Finished, NewMail, Param, QueueStats, QueuedMail, Result,
-    RetrySelection, StaleRow, Store,
+    migrations::{self, MYSQL},
+    shared::{
+        self, finalize_json, insert_columns, insert_query, queued_mail, stale_rows, Common,
+        Queries, Shared,
+    },
+    Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail, Result,
+    StaleRow, Store,
 };
 
 pub struct MySqlStore {
-    pool: MySqlPool,
+    shared: Shared<sqlx::MySql>,
 }
 
 impl MySqlStore {
-    pub async fn connect(url: &str, max_connections: u32) -> Result<Self> {
-        let options = MySqlConnectOptions::from_str(url)?
+    pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
+        let connect = MySqlConnectOptions::from_str(url)?
             .timezone(Some("+00:00".to_string()))
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
         let pool = MySqlPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(5))
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.statement_timeout)
             .after_connect(|conn, _| {
                 Box::pin(async move {
                     conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
@@ -40,27 +45,22 @@ impl MySqlStore {
                     Ok(())
                 })
             })
-            .connect_lazy_with(options);
-        Ok(MySqlStore { pool })
-    }
-
-    fn migrator() -> Migrator {
-        let migrations = vec![Migration::new(
-            1,
-            Cow::Borrowed("mail_queue"),
-            MigrationType::Simple,
-            SqlStr::from_static(include_str!("../../migrations/mysql/0001_mail_queue.sql")),
-            false,
-        )];
-        let mut migrator = Migrator::with_migrations(migrations);
-        migrator.dangerous_set_table_name("tablemail_migrations");
-        migrator
+            .connect_lazy_with(connect);
+        Ok(MySqlStore {
+            shared: Shared {
+                pool,
+                deadline: options.statement_timeout,
+                queries: &QUERIES,
+                unit: shared::micros,
+                migrator: migrations::migrator(MYSQL),
+            },
+        })
     }
 }
 
-/// `?, ?, …` for an IN list of `n` values.
-fn marks(n: usize) -> String {
-    vec!["?"; n].join(", ")
+/// `(?, ?, …)` for an IN list of `n` values.
+fn in_list(n: usize) -> String {
+    format!("({})", vec!["?"; n].join(", "))
 }
 
 const PICK_DUE: &str = r#"
@@ -83,9 +83,9 @@ WHERE id IN
 "#;
 
 const READ_BACK: &str = r#"
-SELECT id, priority, attempts, attempts_remaining, from_name, from_address, to_address,
-       cc, bcc, reply_to, subject, body, body_html, CAST(headers AS CHAR) AS headers, message_id,
-       created_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AS expired
+SELECT id, priority, attempts, attempts_remaining, relay_down_count, from_name, from_address,
+       to_address, cc, bcc, reply_to, subject, body, body_html, CAST(headers AS CHAR) AS headers,
+       message_id, created_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AS expired
 FROM mail_queue WHERE id IN
 "#;
 
@@ -101,29 +101,44 @@ JOIN JSON_TABLE(?, '$[*]' COLUMNS (
         st VARCHAR(16) PATH '$.status',
         delay_ms BIGINT PATH '$.delay_ms',
         err TEXT PATH '$.error',
-        refund INT PATH '$.refund'
+        refund INT PATH '$.refund',
+        processed INT PATH '$.processed',
+        relay_down INT PATH '$.relay_down'
     )) AS f
   ON m.id = f.id AND m.thread_lock = f.lk AND m.status = 'sending'
-SET m.send_at = CASE WHEN f.st = 'queued' AND f.refund = 0
+SET m.send_at = CASE WHEN f.delay_ms >= 0
                      THEN UTC_TIMESTAMP(6) + INTERVAL (f.delay_ms * 1000) MICROSECOND
                      ELSE m.send_at END,
     m.attempts = m.attempts - f.refund,
     m.attempts_remaining = m.attempts_remaining + f.refund,
-    m.processed_at = CASE WHEN f.refund = 1 THEN m.processed_at ELSE UTC_TIMESTAMP(6) END,
+    m.processed_at = CASE WHEN f.processed = 1 THEN UTC_TIMESTAMP(6) ELSE m.processed_at END,
+    m.relay_down_count = CASE f.relay_down WHEN 0 THEN 0
+                                           WHEN 1 THEN m.relay_down_count + 1
+                                           ELSE m.relay_down_count END,
     m.last_error = COALESCE(f.err, m.last_error),
     m.thread_lock = NULL,
     m.locked_at = NULL,
     m.status = f.st
 "#;
 
+/// Renewal by id, in id order: the rows' primary key is the only index it
+/// walks, so it never waits on rows another daemon holds.
 const RENEW: &str = r#"
-UPDATE mail_queue SET locked_at = UTC_TIMESTAMP(6)
-WHERE status = 'sending' AND thread_lock IN
+UPDATE mail_queue AS m
+JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$.id', lk VARCHAR(36) PATH '$.lock')) AS h
+  ON m.id = h.id AND m.thread_lock = h.lk AND m.status = 'sending'
+SET m.locked_at = UTC_TIMESTAMP(6)
+"#;
+
+const RENEW_LOCK_ROWS: &str = r#"
+SELECT id FROM mail_queue WHERE id IN
 "#;
 
 const PICK_STALE: &str = r#"
 SELECT id, attempts_remaining > 0 AS requeued FROM mail_queue
 WHERE status = 'sending' AND locked_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+  AND NOT JSON_CONTAINS(?, JSON_QUOTE(thread_lock))
+ORDER BY id
 FOR UPDATE SKIP LOCKED
 "#;
 
@@ -138,11 +153,11 @@ SET processed_at = CASE WHEN attempts_remaining > 0 THEN processed_at ELSE UTC_T
 WHERE status = 'sending' AND id IN
 "#;
 
-const STATUS_COUNTS: &str = r#"
+static QUERIES: Queries = Queries {
+    status_counts: r#"
 SELECT status, COUNT(*) AS count FROM mail_queue GROUP BY status ORDER BY status
-"#;
-
-const STATUS_AGES: &str = r#"
+"#,
+    status_ages: r#"
 SELECT
     (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(send_at), UTC_TIMESTAMP(6)) / 1e6 FROM mail_queue
       WHERE status = 'queued' AND send_at <= UTC_TIMESTAMP(6)) AS oldest_due,
@@ -154,54 +169,45 @@ SELECT
       WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 5 MINUTE) AS sent_5m,
     (SELECT COUNT(*) FROM mail_queue
       WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 15 MINUTE) AS sent_15m
-"#;
-
-const FAILURE_REASONS: &str = r#"
-SELECT COALESCE(last_error, '') FROM mail_queue
-WHERE status IN ('failed', 'unknown')
-  AND processed_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
-ORDER BY processed_at DESC
-LIMIT ?
-"#;
-
-const RECENT_FAILURES: &str = r#"
+"#,
+    recent_failures: r#"
 SELECT id, status, processed_at, last_error FROM mail_queue
 WHERE status IN ('failed', 'unknown')
 ORDER BY processed_at IS NULL, processed_at DESC, id DESC
 LIMIT 10
-"#;
-
-const RETRY: &str = r#"
+"#,
+    failure_reasons: r#"
+SELECT status, last_error FROM mail_queue
+WHERE status IN ('failed', 'unknown', 'queued') AND last_error IS NOT NULL
+  AND processed_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+ORDER BY processed_at DESC
+LIMIT ?
+"#,
+    retry: r#"
 UPDATE mail_queue
 SET status = 'queued', attempts_remaining = ?, send_at = UTC_TIMESTAMP(6),
-    created_at = UTC_TIMESTAMP(6), thread_lock = NULL, locked_at = NULL
-WHERE status IN ('failed', 'unknown') AND (? IS NULL OR id = ?)
-"#;
-
-const CANCEL: &str = r#"
+    created_at = UTC_TIMESTAMP(6), relay_down_count = 0, thread_lock = NULL, locked_at = NULL
+WHERE status IN ('failed', 'unknown') AND id = COALESCE(?, id)
+"#,
+    cancel: r#"
 UPDATE mail_queue SET status = 'cancelled', processed_at = UTC_TIMESTAMP(6)
 WHERE id = ? AND status = 'queued'
-"#;
-
-const PURGE_SENT: &str = r#"
+"#,
+    purge_sent: r#"
 DELETE FROM mail_queue
 WHERE status = 'sent' AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
 ORDER BY processed_at
 LIMIT ?
-"#;
-
-const PURGE_FAILED: &str = r#"
+"#,
+    purge_failed: r#"
 DELETE FROM mail_queue
 WHERE status IN ('failed', 'cancelled') AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
 ORDER BY processed_at
 LIMIT ?
-"#;
+"#,
+};
 
 const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = ?";
-
-fn micros(d: Duration) -> i64 {
-    millis(d).saturating_mul(1000)
-}
 
 #[async_trait]
 impl Store for MySqlStore {
@@ -209,211 +215,190 @@ impl Store for MySqlStore {
         Backend::Mysql
     }
 
-    async fn migrate(&self) -> Result<()> {
-        Self::migrator().run(&self.pool).await?;
-        Ok(())
-    }
-
-    async fn ping(&self) -> Result<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
+    fn common(&self) -> &dyn Common {
+        &self.shared
     }
 
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
-        let mut tx = self.pool.begin().await?;
-        let ids: Vec<i64> = sqlx::query_scalar(PICK_DUE)
-            .bind(claim.limit as i64)
-            .fetch_all(&mut *tx)
-            .await?;
-        if ids.is_empty() {
-            tx.commit().await?;
-            return Ok(Vec::new());
-        }
-        let in_list = format!("({})", marks(ids.len()));
         let nonce = Uuid::new_v4().simple().to_string();
-        let mut stamp = sqlx::query(AssertSqlSafe(format!("{STAMP}{in_list}")))
-            .bind(claim.lock.to_string())
-            .bind(nonce)
-            .bind(claim.message_id_domain);
-        for id in &ids {
-            stamp = stamp.bind(*id);
-        }
-        stamp.execute(&mut *tx).await?;
-        let mut read =
-            sqlx::query(AssertSqlSafe(format!("{READ_BACK}{in_list}"))).bind(micros(claim.max_age));
-        for id in &ids {
-            read = read.bind(*id);
-        }
-        let rows = read.fetch_all(&mut *tx).await?;
-        let mails = rows
-            .iter()
-            .map(|row| queued_mail_from_row(row, claim.lock))
-            .collect::<Result<Vec<_>>>()?;
-        // Nothing is sent unless this commit succeeds.
-        tx.commit().await?;
-        Ok(mails)
+        let (lock, limit) = (claim.lock, claim.limit as i64);
+        let (domain, max_age) = (
+            claim.message_id_domain.to_string(),
+            shared::micros(claim.max_age),
+        );
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let ids: Vec<i64> = sqlx::query_scalar(PICK_DUE)
+                        .bind(limit)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    if ids.is_empty() {
+                        tx.commit().await?;
+                        return Ok(Vec::new());
+                    }
+                    let list = in_list(ids.len());
+                    let mut stamp = sqlx::query(AssertSqlSafe(format!("{STAMP}{list}")))
+                        .bind(lock.to_string())
+                        .bind(nonce)
+                        .bind(domain);
+                    for id in &ids {
+                        stamp = stamp.bind(*id);
+                    }
+                    stamp.execute(&mut *tx).await?;
+                    let mut read =
+                        sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}"))).bind(max_age);
+                    for id in &ids {
+                        read = read.bind(*id);
+                    }
+                    let rows = read.fetch_all(&mut *tx).await?;
+                    let mails = rows
+                        .iter()
+                        .map(|row| queued_mail(row, lock))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    // Nothing is sent unless this commit succeeds.
+                    tx.commit().await?;
+                    Ok(mails)
+                })
+            })
+            .await
     }
 
     async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
         if writes.is_empty() {
             return Ok(Vec::new());
         }
-        let mut tx = self.pool.begin().await?;
-        let mut owned = sqlx::query(AssertSqlSafe(format!(
-            "{OWNED}({}) FOR UPDATE",
-            marks(writes.len())
-        )));
-        for w in writes {
-            owned = owned.bind(w.id);
-        }
-        let held: std::collections::HashMap<i64, String> = owned
-            .fetch_all(&mut *tx)
-            .await?
-            .iter()
-            .map(|r| Ok((r.try_get("id")?, r.try_get("thread_lock")?)))
-            .collect::<Result<_>>()?;
-        let written: Vec<i64> = writes
-            .iter()
-            .filter(|w| held.get(&w.id).is_some_and(|l| *l == w.lock.to_string()))
-            .map(|w| w.id)
-            .collect();
-        if !written.is_empty() {
-            sqlx::query(FINALIZE)
-                .bind(finalize_json(writes))
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(written)
+        let mut ids: Vec<i64> = writes.iter().map(|w| w.id).collect();
+        ids.sort_unstable();
+        let expected: std::collections::HashMap<i64, String> =
+            writes.iter().map(|w| (w.id, w.lock.to_string())).collect();
+        let json = finalize_json(writes);
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    // Lock the rows first, in id order, and see which are
+                    // still ours (MariaDB's UPDATE reports no row ids).
+                    let sql = format!("{OWNED}{} ORDER BY id FOR UPDATE", in_list(ids.len()));
+                    let mut owned = sqlx::query(AssertSqlSafe(sql));
+                    for id in &ids {
+                        owned = owned.bind(*id);
+                    }
+                    let mut written = Vec::with_capacity(ids.len());
+                    for row in owned.fetch_all(&mut *tx).await? {
+                        let (id, lock): (i64, Option<String>) =
+                            (row.try_get("id")?, row.try_get("thread_lock")?);
+                        if lock.is_some_and(|l| expected.get(&id) == Some(&l)) {
+                            written.push(id);
+                        }
+                    }
+                    if !written.is_empty() {
+                        sqlx::query(FINALIZE).bind(json).execute(&mut *tx).await?;
+                    }
+                    tx.commit().await?;
+                    Ok(written)
+                })
+            })
+            .await
     }
 
-    async fn renew_locks(&self, locks: &[BatchLock]) -> Result<u64> {
-        if locks.is_empty() {
+    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64> {
+        if held.is_empty() {
             return Ok(0);
         }
-        let mut query = sqlx::query(AssertSqlSafe(format!("{RENEW}({})", marks(locks.len()))));
-        for l in locks {
-            query = query.bind(l.to_string());
-        }
-        Ok(query.execute(&self.pool).await?.rows_affected())
+        let json = shared::held_json(held);
+        let mut ids: Vec<i64> = held.iter().map(|(id, _)| *id).collect();
+        ids.sort_unstable();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    // The same order as finalize: by id, through the primary key.
+                    let sql = format!(
+                        "{RENEW_LOCK_ROWS}{} AND status = 'sending' ORDER BY id FOR UPDATE",
+                        in_list(ids.len())
+                    );
+                    let mut lock_rows = sqlx::query(AssertSqlSafe(sql));
+                    for id in &ids {
+                        lock_rows = lock_rows.bind(*id);
+                    }
+                    lock_rows.fetch_all(&mut *tx).await?;
+                    let done = sqlx::query(RENEW).bind(json).execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    Ok(done.rows_affected())
+                })
+            })
+            .await
     }
 
-    async fn release_stale_locks(&self, older_than: Duration) -> Result<Vec<StaleRow>> {
-        let mut tx = self.pool.begin().await?;
-        let picked = sqlx::query(PICK_STALE)
-            .bind(micros(older_than))
-            .fetch_all(&mut *tx)
-            .await?;
-        let stale = stale_rows(&picked)?;
-        if !stale.is_empty() {
-            let mut release = sqlx::query(AssertSqlSafe(format!(
-                "{RELEASE_STALE}({})",
-                marks(stale.len())
-            )));
-            for r in &stale {
-                release = release.bind(r.id);
-            }
-            release.execute(&mut *tx).await?;
-        }
-        tx.commit().await?;
-        Ok(stale)
+    async fn release_stale_locks(
+        &self,
+        older_than: Duration,
+        spare: &[BatchLock],
+    ) -> Result<Vec<StaleRow>> {
+        let (older_than, spare) = (shared::micros(older_than), shared::locks_json(spare));
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let picked = sqlx::query(PICK_STALE)
+                        .bind(older_than)
+                        .bind(spare)
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    let stale = stale_rows(&picked)?;
+                    if !stale.is_empty() {
+                        let sql = format!("{RELEASE_STALE}{}", in_list(stale.len()));
+                        let mut release = sqlx::query(AssertSqlSafe(sql));
+                        for r in &stale {
+                            release = release.bind(r.id);
+                        }
+                        release.execute(&mut *tx).await?;
+                    }
+                    tx.commit().await?;
+                    Ok(stale)
+                })
+            })
+            .await
     }
 
     async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
-        let mut tx = self.pool.begin().await?;
-        let mut out = Vec::with_capacity(mails.len());
-        for mail in mails {
-            let cols = mail.columns();
-            let names: Vec<&str> = cols.iter().map(|(name, _)| *name).collect();
-            let sql = format!(
-                "INSERT INTO mail_queue ({}) VALUES ({})",
-                names.join(", "),
-                marks(cols.len())
-            );
-            let mut query = sqlx::query(AssertSqlSafe(sql));
-            for (_, param) in cols {
-                query = match param {
-                    Param::Text(t) => query.bind(t.to_string()),
-                    Param::Int(i) => query.bind(i),
-                    Param::Time(t) => query.bind(t),
-                    Param::Json(j) => query.bind(j),
-                };
-            }
-            // MySQL has no ON CONFLICT DO NOTHING; a failed statement leaves
-            // the transaction usable, so a taken key is looked up instead.
-            let enqueued = match query.execute(&mut *tx).await {
-                Ok(done) => Enqueued {
-                    id: done.last_insert_id() as i64,
-                    duplicate: false,
-                },
-                Err(sqlx::Error::Database(e))
-                    if e.is_unique_violation() && mail.dedupe_key.is_some() =>
-                {
-                    Enqueued {
-                        id: sqlx::query_scalar(EXISTING_DEDUPE)
-                            .bind(mail.dedupe_key.as_deref())
-                            .fetch_one(&mut *tx)
-                            .await?,
-                        duplicate: true,
+        let mails = mails.to_vec();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = c.begin().await?;
+                    let mut out = Vec::with_capacity(mails.len());
+                    for mail in &mails {
+                        let query = insert_query(insert_columns(mail), |_, _| "?".into(), "");
+                        // MySQL has no ON CONFLICT DO NOTHING; a failed
+                        // statement leaves the transaction usable, so a taken
+                        // key is looked up instead.
+                        let enqueued = match query.execute(&mut *tx).await {
+                            Ok(done) => Enqueued {
+                                id: done.last_insert_id() as i64,
+                                duplicate: false,
+                            },
+                            Err(sqlx::Error::Database(e))
+                                if e.is_unique_violation() && mail.dedupe_key.is_some() =>
+                            {
+                                Enqueued {
+                                    id: sqlx::query_scalar(EXISTING_DEDUPE)
+                                        .bind(mail.dedupe_key.as_deref())
+                                        .fetch_one(&mut *tx)
+                                        .await?,
+                                    duplicate: true,
+                                }
+                            }
+                            Err(e) => return Err(e),
+                        };
+                        out.push(enqueued);
                     }
-                }
-                Err(e) => return Err(e.into()),
-            };
-            out.push(enqueued);
-        }
-        tx.commit().await?;
-        Ok(out)
-    }
-
-    async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
-        let counts = sqlx::query(STATUS_COUNTS).fetch_all(&self.pool).await?;
-        let ages = sqlx::query(STATUS_AGES)
-            .bind(micros(lock_timeout))
-            .fetch_one(&self.pool)
-            .await?;
-        let failures = sqlx::query(RECENT_FAILURES).fetch_all(&self.pool).await?;
-        queue_stats(&counts, &ages, &failures)
-    }
-
-    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(FAILURE_REASONS)
-            .bind(micros(within))
-            .bind(limit as i64)
-            .fetch_all(&self.pool)
-            .await?)
-    }
-
-    async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
-        let id = which.id();
-        let done = sqlx::query(RETRY)
-            .bind(attempts)
-            .bind(id)
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
-    }
-
-    async fn cancel(&self, id: i64) -> Result<u64> {
-        let done = sqlx::query(CANCEL).bind(id).execute(&self.pool).await?;
-        Ok(done.rows_affected())
-    }
-
-    async fn purge_finished(
-        &self,
-        kind: Finished,
-        older_than: Duration,
-        limit: usize,
-    ) -> Result<u64> {
-        let sql = match kind {
-            Finished::Sent => PURGE_SENT,
-            Finished::FailedOrCancelled => PURGE_FAILED,
-        };
-        let done = sqlx::query(sql)
-            .bind(micros(older_than))
-            .bind(limit as i64)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+                    tx.commit().await?;
+                    Ok(out)
+                })
+            })
+            .await
     }
 }

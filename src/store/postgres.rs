@@ -1,36 +1,39 @@
-//! PostgreSQL, the reference backend: claims with `FOR UPDATE SKIP LOCKED` in one
-//! statement, finalizes many rows in one fenced statement, and wakes idle
-//! daemons with LISTEN/NOTIFY.
+//! PostgreSQL, the reference backend: claims with `FOR UPDATE SKIP LOCKED` in
+//! one statement, finalizes many rows in one fenced statement, wakes idle
+//! daemons with LISTEN/NOTIFY, and vacuums the table when autovacuum does not.
 
-use std::{borrow::Cow, str::FromStr, sync::Arc, time::Duration};
+use std::{str::FromStr, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use sqlx::{
-    migrate::{Migration, MigrationType, Migrator},
     postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions},
-    AssertSqlSafe, ConnectOptions, Row, SqlStr,
+    ConnectOptions as _, Executor, Row,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    millis, queue_stats, queued_mail_from_row, stale_rows, Backend, BatchLock, Claim, Enqueued,
-    Finalize, Finished, Maintenance, NewMail, Param, QueueStats, QueuedMail, Result,
-    RetrySelection, StaleRow, Store,
+    migrations::{self, POSTGRES},
+    shared::{
+        self, insert_columns, insert_query, queued_mail, stale_rows, Common, Param, Queries, Shared,
+    },
+    Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
+    QueuedMail, Result, RetrySelection, StaleRow, Store, StoreError,
 };
 
 /// The NOTIFY channel the insert trigger of the migration signals.
 const CHANNEL: &str = "tablemail";
 
 pub struct PgStore {
-    pool: PgPool,
+    shared: Shared<sqlx::Postgres>,
+    options: PgConnectOptions,
 }
 
 impl PgStore {
     /// Builds the pool without connecting; the first query connects.
-    pub async fn connect(url: &str, max_connections: u32) -> Result<Self> {
-        let options = PgConnectOptions::from_str(url)?
+    pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
+        let connect = PgConnectOptions::from_str(url)?
             .application_name("tablemail")
             // Our statements work on batches whose size is a parameter
             // (LIMIT $1, arrays of outcomes). A generic plan guesses that size
@@ -41,27 +44,19 @@ impl PgStore {
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
         let pool = PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_lazy_with(options);
-        Ok(PgStore { pool })
-    }
-
-    fn migrator() -> Migrator {
-        let migrations = vec![Migration::new(
-            1,
-            Cow::Borrowed("mail_queue"),
-            MigrationType::Simple,
-            SqlStr::from_static(include_str!(
-                "../../migrations/postgres/0001_mail_queue.sql"
-            )),
-            false,
-        )];
-        let mut migrator = Migrator::with_migrations(migrations);
-        // Our own bookkeeping table, so an application's sqlx migrations in the
-        // same schema never collide with ours.
-        migrator.dangerous_set_table_name("tablemail_migrations");
-        migrator
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.statement_timeout)
+            .connect_lazy_with(connect.clone());
+        Ok(PgStore {
+            shared: Shared {
+                pool,
+                deadline: options.statement_timeout,
+                queries: &QUERIES,
+                unit: shared::millis,
+                migrator: migrations::migrator(POSTGRES),
+            },
+            options: connect,
+        })
     }
 }
 
@@ -82,33 +77,39 @@ SET status = 'sending',
     message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
 FROM picked
 WHERE m.id = picked.id
-RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.from_name, m.from_address,
-          m.to_address, m.cc, m.bcc, m.reply_to, m.subject, m.body, m.body_html,
-          m.headers::text AS headers, m.message_id,
+RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count,
+          m.from_name, m.from_address, m.to_address, m.cc, m.bcc, m.reply_to, m.subject,
+          m.body, m.body_html, m.headers::text AS headers, m.message_id,
           m.created_at < now() - $5 * interval '1 millisecond' AS expired
 "#;
 
+// The outcomes come sorted by id: rows are locked in the same order as lock
+// renewal locks them.
 const FINALIZE: &str = r#"
 UPDATE mail_queue AS m
 SET status = f.status,
-    send_at = CASE WHEN f.status = 'queued' AND NOT f.refund
-                   THEN now() + f.delay_ms * interval '1 millisecond'
+    send_at = CASE WHEN f.delay_ms >= 0 THEN now() + f.delay_ms * interval '1 millisecond'
                    ELSE m.send_at END,
     attempts = m.attempts - f.refund::int,
     attempts_remaining = m.attempts_remaining + f.refund::int,
-    processed_at = CASE WHEN f.refund THEN m.processed_at ELSE now() END,
+    processed_at = CASE WHEN f.processed THEN now() ELSE m.processed_at END,
+    relay_down_count = CASE f.relay_down WHEN 0 THEN 0
+                                         WHEN 1 THEN m.relay_down_count + 1
+                                         ELSE m.relay_down_count END,
     thread_lock = NULL,
     locked_at = NULL,
     last_error = COALESCE(f.last_error, m.last_error)
-FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::bool[])
-     AS f(id, lock, status, delay_ms, last_error, refund)
+FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::bool[],
+            $7::bool[], $8::int2[])
+     AS f(id, lock, status, delay_ms, last_error, refund, processed, relay_down)
 WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
 RETURNING m.id
 "#;
 
 const RENEW: &str = r#"
-UPDATE mail_queue SET locked_at = now()
-WHERE status = 'sending' AND thread_lock = ANY($1)
+UPDATE mail_queue AS m SET locked_at = now()
+FROM unnest($1::bigint[], $2::uuid[]) AS h(id, lock)
+WHERE m.id = h.id AND m.thread_lock = h.lock AND m.status = 'sending'
 "#;
 
 const RELEASE_STALE: &str = r#"
@@ -120,14 +121,15 @@ SET status = CASE WHEN attempts_remaining > 0 THEN 'queued' ELSE 'failed' END,
     thread_lock = NULL,
     locked_at = NULL
 WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond'
+  AND thread_lock <> ALL($2::uuid[])
 RETURNING id, status = 'queued' AS requeued
 "#;
 
-const STATUS_COUNTS: &str = r#"
+static QUERIES: Queries = Queries {
+    status_counts: r#"
 SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status
-"#;
-
-const STATUS_AGES: &str = r#"
+"#,
+    status_ages: r#"
 SELECT
     (SELECT EXTRACT(EPOCH FROM now() - min(send_at))::float8 FROM mail_queue
       WHERE status = 'queued' AND send_at <= now()) AS oldest_due,
@@ -139,53 +141,49 @@ SELECT
       WHERE status = 'sent' AND processed_at > now() - interval '5 minutes') AS sent_5m,
     (SELECT count(*) FROM mail_queue
       WHERE status = 'sent' AND processed_at > now() - interval '15 minutes') AS sent_15m
-"#;
-
-const FAILURE_REASONS: &str = r#"
-SELECT coalesce(last_error, '') FROM mail_queue
-WHERE status IN ('failed', 'unknown') AND processed_at > now() - $1 * interval '1 millisecond'
-ORDER BY processed_at DESC
-LIMIT $2
-"#;
-
-const RECENT_FAILURES: &str = r#"
+"#,
+    recent_failures: r#"
 SELECT id, status, processed_at, last_error FROM mail_queue
 WHERE status IN ('failed', 'unknown')
 ORDER BY processed_at DESC NULLS LAST, id DESC
 LIMIT 10
-"#;
-
-const RETRY: &str = r#"
+"#,
+    failure_reasons: r#"
+SELECT status, last_error FROM mail_queue
+WHERE status IN ('failed', 'unknown', 'queued') AND last_error IS NOT NULL
+  AND processed_at > now() - $1 * interval '1 millisecond'
+ORDER BY processed_at DESC
+LIMIT $2
+"#,
+    retry: r#"
 UPDATE mail_queue
-SET status = 'queued', attempts_remaining = $2, send_at = now(), created_at = now(),
-    thread_lock = NULL, locked_at = NULL
-WHERE status IN ('failed', 'unknown') AND ($1::bigint IS NULL OR id = $1)
-"#;
-
-const CANCEL: &str = r#"
+SET status = 'queued', attempts_remaining = $1, send_at = now(), created_at = now(),
+    relay_down_count = 0, thread_lock = NULL, locked_at = NULL
+WHERE status IN ('failed', 'unknown') AND id = COALESCE($2, id)
+"#,
+    cancel: r#"
 UPDATE mail_queue SET status = 'cancelled', processed_at = now()
 WHERE id = $1 AND status = 'queued'
-"#;
-
-// Two statements, each walking the retention index in order: an OR of the
-// two conditions made the planner scan the whole table.
-const PURGE_SENT: &str = r#"
+"#,
+    // Two statements, each walking the retention index in order: an OR of the
+    // two conditions made the planner scan the whole table.
+    purge_sent: r#"
 DELETE FROM mail_queue WHERE id IN (
     SELECT id FROM mail_queue
     WHERE status = 'sent' AND processed_at < now() - $1 * interval '1 millisecond'
     ORDER BY processed_at
     LIMIT $2
 )
-"#;
-
-const PURGE_FAILED: &str = r#"
+"#,
+    purge_failed: r#"
 DELETE FROM mail_queue WHERE id IN (
     SELECT id FROM mail_queue
     WHERE status IN ('failed', 'cancelled') AND processed_at < now() - $1 * interval '1 millisecond'
     ORDER BY processed_at
     LIMIT $2
 )
-"#;
+"#,
+};
 
 const DEAD_ROWS: &str = r#"
 SELECT s.n_dead_tup, s.n_live_tup, current_setting('autovacuum') = 'on' AS autovacuum,
@@ -201,7 +199,7 @@ const VACUUM_UNLOCK: &str = "SELECT pg_advisory_unlock(7261736877)";
 
 const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = $1";
 
-const NOTIFY: &str = "SELECT pg_notify('tablemail', '')";
+const NOTIFY: &str = "SELECT pg_notify($1, '')";
 
 #[async_trait]
 impl Store for PgStore {
@@ -209,228 +207,177 @@ impl Store for PgStore {
         Backend::Postgres
     }
 
-    async fn migrate(&self) -> Result<()> {
-        Self::migrator().run(&self.pool).await?;
-        Ok(())
-    }
-
-    async fn ping(&self) -> Result<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
+    fn common(&self) -> &dyn Common {
+        &self.shared
     }
 
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
         let nonce = Uuid::new_v4().simple().to_string();
-        let rows = sqlx::query(CLAIM)
-            .bind(claim.limit as i64)
-            .bind(claim.lock.0)
-            .bind(nonce)
-            .bind(claim.message_id_domain)
-            .bind(millis(claim.max_age))
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|row| queued_mail_from_row(row, claim.lock))
-            .collect()
+        let (lock, limit) = (claim.lock, claim.limit as i64);
+        let (domain, max_age) = (
+            claim.message_id_domain.to_string(),
+            shared::millis(claim.max_age),
+        );
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let rows = sqlx::query(CLAIM)
+                        .bind(limit)
+                        .bind(lock.0)
+                        .bind(nonce)
+                        .bind(domain)
+                        .bind(max_age)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    rows.iter().map(|row| queued_mail(row, lock)).collect()
+                })
+            })
+            .await
     }
 
     async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
         if writes.is_empty() {
             return Ok(Vec::new());
         }
-        let n = writes.len();
-        let (mut ids, mut locks, mut statuses) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        let (mut delays, mut errors, mut refunds) = (
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-            Vec::with_capacity(n),
-        );
-        for w in writes {
-            let (status, delay_ms, error, refund) = w.action.columns();
-            ids.push(w.id);
-            locks.push(w.lock.0);
-            statuses.push(status);
-            delays.push(delay_ms);
-            errors.push(error);
-            refunds.push(refund);
+        let mut sorted: Vec<&Finalize> = writes.iter().collect();
+        sorted.sort_unstable_by_key(|w| w.id);
+        let n = sorted.len();
+        let mut cols = FinalizeArrays::with_capacity(n);
+        for w in sorted {
+            let c = w.action.columns();
+            cols.ids.push(w.id);
+            cols.locks.push(w.lock.0);
+            cols.statuses.push(c.status);
+            cols.delays.push(c.delay_ms);
+            cols.errors.push(c.error.map(str::to_string));
+            cols.refunds.push(c.refund);
+            cols.processed.push(c.processed);
+            cols.relay_down.push(c.relay_down as i16);
         }
-        let rows = sqlx::query(FINALIZE)
-            .bind(ids)
-            .bind(locks)
-            .bind(statuses)
-            .bind(delays)
-            .bind(errors)
-            .bind(refunds)
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|r| r.try_get::<i64, _>(0).map_err(Into::into))
-            .collect()
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let rows = sqlx::query(FINALIZE)
+                        .bind(cols.ids)
+                        .bind(cols.locks)
+                        .bind(cols.statuses)
+                        .bind(cols.delays)
+                        .bind(cols.errors)
+                        .bind(cols.refunds)
+                        .bind(cols.processed)
+                        .bind(cols.relay_down)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
+                })
+            })
+            .await
     }
 
-    async fn renew_locks(&self, locks: &[BatchLock]) -> Result<u64> {
-        if locks.is_empty() {
+    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64> {
+        if held.is_empty() {
             return Ok(0);
         }
-        let locks: Vec<Uuid> = locks.iter().map(|l| l.0).collect();
-        let done = sqlx::query(RENEW).bind(locks).execute(&self.pool).await?;
-        Ok(done.rows_affected())
+        let mut held = held.to_vec();
+        held.sort_unstable_by_key(|(id, _)| *id);
+        let ids: Vec<i64> = held.iter().map(|(id, _)| *id).collect();
+        let locks: Vec<Uuid> = held.iter().map(|(_, lock)| lock.0).collect();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let done = sqlx::query(RENEW)
+                        .bind(ids)
+                        .bind(locks)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+            })
+            .await
     }
 
-    async fn release_stale_locks(&self, older_than: Duration) -> Result<Vec<StaleRow>> {
-        let rows = sqlx::query(RELEASE_STALE)
-            .bind(millis(older_than))
-            .fetch_all(&self.pool)
-            .await?;
-        stale_rows(&rows)
+    async fn release_stale_locks(
+        &self,
+        older_than: Duration,
+        spare: &[BatchLock],
+    ) -> Result<Vec<StaleRow>> {
+        let older_than = shared::millis(older_than);
+        let spare: Vec<Uuid> = spare.iter().map(|l| l.0).collect();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let rows = sqlx::query(RELEASE_STALE)
+                        .bind(older_than)
+                        .bind(spare)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    stale_rows(&rows)
+                })
+            })
+            .await
     }
 
     async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
-        let mut tx = self.pool.begin().await?;
-        let mut out = Vec::with_capacity(mails.len());
-        for mail in mails {
-            let cols = mail.columns();
-            let names: Vec<&str> = cols.iter().map(|(name, _)| *name).collect();
-            let placeholders: Vec<String> = cols
-                .iter()
-                .enumerate()
-                .map(|(i, (_, p))| match p {
-                    Param::Json(_) => format!("${}::jsonb", i + 1),
-                    _ => format!("${}", i + 1),
-                })
-                .collect();
-            let sql = format!(
-                "INSERT INTO mail_queue ({}) VALUES ({}) \
-                 ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
-                names.join(", "),
-                placeholders.join(", ")
-            );
-            let mut query = sqlx::query(AssertSqlSafe(sql));
-            for (_, param) in cols {
-                query = match param {
-                    Param::Text(t) => query.bind(t.to_string()),
-                    Param::Int(i) => query.bind(i),
-                    Param::Time(t) => query.bind(t),
-                    Param::Json(j) => query.bind(j),
-                };
-            }
-            let inserted = query.fetch_optional(&mut *tx).await?;
-            let enqueued = match inserted {
-                Some(row) => Enqueued {
-                    id: row.try_get(0)?,
-                    duplicate: false,
-                },
-                None => {
-                    let id: i64 = sqlx::query_scalar(EXISTING_DEDUPE)
-                        .bind(mail.dedupe_key.as_deref())
-                        .fetch_one(&mut *tx)
-                        .await?;
-                    Enqueued {
-                        id,
-                        duplicate: true,
+        let mails = mails.to_vec();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin(&mut *c).await?;
+                    let mut out = Vec::with_capacity(mails.len());
+                    for mail in &mails {
+                        let query = insert_query(
+                            insert_columns(mail),
+                            |i, p| match p {
+                                Param::Json(_) => format!("${i}::jsonb"),
+                                _ => format!("${i}"),
+                            },
+                            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
+                        );
+                        let enqueued = match query.fetch_optional(&mut *tx).await? {
+                            Some(row) => Enqueued {
+                                id: row.try_get(0)?,
+                                duplicate: false,
+                            },
+                            None => Enqueued {
+                                id: sqlx::query_scalar(EXISTING_DEDUPE)
+                                    .bind(mail.dedupe_key.as_deref())
+                                    .fetch_one(&mut *tx)
+                                    .await?,
+                                duplicate: true,
+                            },
+                        };
+                        out.push(enqueued);
                     }
-                }
-            };
-            out.push(enqueued);
-        }
-        tx.commit().await?;
-        Ok(out)
-    }
-
-    async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
-        let counts = sqlx::query(STATUS_COUNTS).fetch_all(&self.pool).await?;
-        let ages = sqlx::query(STATUS_AGES)
-            .bind(millis(lock_timeout))
-            .fetch_one(&self.pool)
-            .await?;
-        let failures = sqlx::query(RECENT_FAILURES).fetch_all(&self.pool).await?;
-        queue_stats(&counts, &ages, &failures)
-    }
-
-    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(FAILURE_REASONS)
-            .bind(millis(within))
-            .bind(limit as i64)
-            .fetch_all(&self.pool)
-            .await?)
+                    tx.commit().await?;
+                    Ok(out)
+                })
+            })
+            .await
     }
 
     async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
-        let id = which.id();
-        let done = sqlx::query(RETRY)
-            .bind(id)
-            .bind(attempts)
-            .execute(&self.pool)
-            .await?;
-        if done.rows_affected() > 0 {
-            sqlx::query(NOTIFY).execute(&self.pool).await?;
+        let done = self.shared.retry(which, attempts).await?;
+        if done > 0 {
+            // The rows are due now: wake the daemons as an INSERT would.
+            self.shared
+                .run(|c| {
+                    Box::pin(async move {
+                        sqlx::query(NOTIFY)
+                            .bind(CHANNEL)
+                            .execute(&mut *c)
+                            .await
+                            .map(|_| ())
+                    })
+                })
+                .await?;
         }
-        Ok(done.rows_affected())
-    }
-
-    async fn cancel(&self, id: i64) -> Result<u64> {
-        let done = sqlx::query(CANCEL).bind(id).execute(&self.pool).await?;
-        Ok(done.rows_affected())
-    }
-
-    async fn purge_finished(
-        &self,
-        kind: Finished,
-        older_than: Duration,
-        limit: usize,
-    ) -> Result<u64> {
-        let sql = match kind {
-            Finished::Sent => PURGE_SENT,
-            Finished::FailedOrCancelled => PURGE_FAILED,
-        };
-        let done = sqlx::query(sql)
-            .bind(millis(older_than))
-            .bind(limit as i64)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+        Ok(done)
     }
 
     async fn maintain(&self) -> Result<Option<Maintenance>> {
-        let stats = sqlx::query(DEAD_ROWS).fetch_optional(&self.pool).await?;
-        let Some(stats) = stats else {
-            return Ok(None);
-        };
-        let dead: i64 = stats.try_get("n_dead_tup")?;
-        let live: i64 = stats.try_get("n_live_tup")?;
-        let autovacuum: bool = stats.try_get("autovacuum")?;
-        let since: Option<f64> = stats.try_get("since_vacuum")?;
-        let owner: bool = stats.try_get("owner")?;
-        // Autovacuum normally keeps up; step in when it is off, or when it
-        // has left a large share of dead rows for ten minutes.
-        let behind = !autovacuum || since.is_none_or(|s| s > 600.0);
-        if dead < 10_000 || dead < live / 5 || !behind {
-            return Ok(None);
-        }
-        if !owner {
-            // PostgreSQL would only warn and skip the table.
-            return Ok(Some(Maintenance::CannotVacuum { dead_rows: dead }));
-        }
-        let mut conn = self.pool.acquire().await?;
-        let locked: bool = sqlx::query_scalar(VACUUM_LOCK)
-            .fetch_one(&mut *conn)
-            .await?;
-        if !locked {
-            return Ok(None); // another daemon is at it
-        }
-        let vacuumed = sqlx::query("VACUUM (ANALYZE) mail_queue")
-            .execute(&mut *conn)
-            .await;
-        sqlx::query(VACUUM_UNLOCK).execute(&mut *conn).await?;
-        vacuumed?;
-        Ok(Some(Maintenance::Vacuumed {
-            dead_rows: dead,
-            autovacuum,
-        }))
+        // VACUUM of a large table takes its time: a deadline of its own.
+        let limit = self.shared.deadline.max(Duration::from_secs(600));
+        shared::within(&self.shared.pool, limit, |c| Box::pin(vacuum_if_needed(c))).await
     }
 
     fn spawn_wakeup_listener(
@@ -438,10 +385,11 @@ impl Store for PgStore {
         wake: Arc<Notify>,
         cancel: CancellationToken,
     ) -> Option<&'static str> {
-        let pool = self.pool.clone();
+        let (options, deadline) = (self.options.clone(), self.shared.deadline);
+        let pool = self.shared.pool.clone();
         tokio::spawn(async move {
             loop {
-                if let Err(e) = listen(&pool, &wake, &cancel).await {
+                if let Err(e) = listen(&options, &pool, deadline, &wake, &cancel).await {
                     tracing::warn!(error = %e, "wake-up listener lost, polling until it is back");
                 }
                 // Anything may have been inserted while we were not listening.
@@ -456,19 +404,121 @@ impl Store for PgStore {
     }
 }
 
+/// The arrays FINALIZE unnests.
+struct FinalizeArrays {
+    ids: Vec<i64>,
+    locks: Vec<Uuid>,
+    statuses: Vec<&'static str>,
+    delays: Vec<i64>,
+    errors: Vec<Option<String>>,
+    refunds: Vec<bool>,
+    processed: Vec<bool>,
+    relay_down: Vec<i16>,
+}
+
+impl FinalizeArrays {
+    fn with_capacity(n: usize) -> Self {
+        FinalizeArrays {
+            ids: Vec::with_capacity(n),
+            locks: Vec::with_capacity(n),
+            statuses: Vec::with_capacity(n),
+            delays: Vec::with_capacity(n),
+            errors: Vec::with_capacity(n),
+            refunds: Vec::with_capacity(n),
+            processed: Vec::with_capacity(n),
+            relay_down: Vec::with_capacity(n),
+        }
+    }
+}
+
+/// Vacuums `mail_queue` when dead rows pile up and autovacuum is off or far
+/// behind, if this role owns the table, one daemon at a time.
+async fn vacuum_if_needed(
+    conn: &mut sqlx::PgConnection,
+) -> Result<Option<Maintenance>, sqlx::Error> {
+    let Some(stats) = sqlx::query(DEAD_ROWS).fetch_optional(&mut *conn).await? else {
+        return Ok(None);
+    };
+    let dead: i64 = stats.try_get("n_dead_tup")?;
+    let live: i64 = stats.try_get("n_live_tup")?;
+    let autovacuum: bool = stats.try_get("autovacuum")?;
+    let since: Option<f64> = stats.try_get("since_vacuum")?;
+    let owner: bool = stats.try_get("owner")?;
+    // Autovacuum normally keeps up; step in when it is off, or when it has
+    // left a large share of dead rows for ten minutes.
+    let behind = !autovacuum || since.is_none_or(|s| s > 600.0);
+    if dead < 10_000 || dead < live / 5 || !behind {
+        return Ok(None);
+    }
+    if !owner {
+        // PostgreSQL would only warn and skip the table.
+        return Ok(Some(Maintenance::CannotVacuum { dead_rows: dead }));
+    }
+    let locked: bool = sqlx::query_scalar(VACUUM_LOCK)
+        .fetch_one(&mut *conn)
+        .await?;
+    if !locked {
+        return Ok(None); // another daemon is at it
+    }
+    let vacuumed = conn.execute("VACUUM (ANALYZE) mail_queue").await;
+    sqlx::query(VACUUM_UNLOCK).execute(&mut *conn).await?;
+    vacuumed?;
+    Ok(Some(Maintenance::Vacuumed {
+        dead_rows: dead,
+        autovacuum,
+    }))
+}
+
 /// Listens until cancelled (Ok) or the listener fails (Err).
-async fn listen(pool: &PgPool, wake: &Notify, cancel: &CancellationToken) -> Result<()> {
-    let mut listener = PgListener::connect_with(pool).await?;
-    listener.listen(CHANNEL).await?;
+///
+/// The listener has a connection of its own, outside the pool: when it breaks
+/// on a silent network, sqlx's attempt to hand it back would hang. A heartbeat
+/// (a NOTIFY on a channel of this listener's own, sent through the pool) proves
+/// every few seconds that notifications still arrive; when one does not come
+/// back within `deadline`, the listener is replaced.
+async fn listen(
+    options: &PgConnectOptions,
+    pool: &PgPool,
+    deadline: Duration,
+    wake: &Notify,
+    cancel: &CancellationToken,
+) -> Result<()> {
+    let own = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(deadline)
+        .connect_lazy_with(options.clone());
+    let mut listener = tokio::time::timeout(deadline, PgListener::connect_with(&own))
+        .await
+        .map_err(|_| StoreError::Timeout(deadline))??;
+    let heartbeat = format!("tablemail_hb_{}", Uuid::new_v4().simple());
+    tokio::time::timeout(deadline, listener.listen_all([CHANNEL, heartbeat.as_str()]))
+        .await
+        .map_err(|_| StoreError::Timeout(deadline))??;
     wake.notify_one();
+    let every = (deadline / 2).clamp(Duration::from_secs(1), Duration::from_secs(15));
+    let mut beat_sent: Option<tokio::time::Instant> = None;
+    let mut next_beat = tokio::time::Instant::now() + every;
     loop {
+        let overdue = beat_sent.map(|t| t + deadline);
         tokio::select! {
             _ = cancel.cancelled() => return Ok(()),
             // `None` means the connection dropped and was re-established: a
             // notification may have been missed, so wake up either way.
-            received = listener.try_recv() => {
-                received?;
-                wake.notify_one();
+            received = listener.try_recv() => match received? {
+                Some(n) if n.channel() == heartbeat => beat_sent = None,
+                _ => wake.notify_one(),
+            },
+            _ = tokio::time::sleep_until(next_beat), if beat_sent.is_none() => {
+                next_beat = tokio::time::Instant::now() + every;
+                let channel = heartbeat.clone();
+                shared::within(pool, deadline, |c| {
+                    Box::pin(async move { sqlx::query(NOTIFY).bind(channel).execute(&mut *c).await.map(|_| ()) })
+                })
+                .await?;
+                beat_sent = Some(tokio::time::Instant::now());
+            }
+            _ = tokio::time::sleep_until(overdue.unwrap_or(next_beat)), if overdue.is_some() => {
+                return Err(StoreError::Timeout(deadline));
             }
         }
     }

@@ -4,63 +4,62 @@
 //! can never claim the same row. There is no NOTIFY: a watcher polls
 //! `PRAGMA data_version`, which changes when any other connection commits.
 
-use std::{borrow::Cow, str::FromStr, sync::Arc, time::Duration};
+use std::{str::FromStr, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use sqlx::{
-    migrate::{Migration, MigrationType, Migrator},
     sqlite::{
-        SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+        SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions,
         SqliteSynchronous,
     },
-    AssertSqlSafe, ConnectOptions, Connection, Row, SqlStr,
+    ConnectOptions as _, Connection, Row,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    finalize_json, locks_json, millis, queue_stats, queued_mail_from_row, stale_rows, Backend,
-    BatchLock, Claim, Enqueued, Finalize, Finished, NewMail, Param, QueueStats, QueuedMail, Result,
-    RetrySelection, StaleRow, Store,
+    migrations::{self, SQLITE},
+    shared::{
+        self, finalize_json, held_json, insert_columns, insert_query, locks_json, queued_mail,
+        stale_rows, Common, Param, Queries, Shared,
+    },
+    Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail, Result,
+    StaleRow, Store,
 };
 
 /// How often the watcher looks for commits of other connections.
 const WATCH_EVERY: Duration = Duration::from_millis(25);
 
 pub struct SqliteStore {
-    pool: SqlitePool,
+    shared: Shared<sqlx::Sqlite>,
     options: SqliteConnectOptions,
 }
 
 impl SqliteStore {
-    pub async fn connect(url: &str, max_connections: u32) -> Result<Self> {
-        let options = SqliteConnectOptions::from_str(url)?
+    pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
+        let connect = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(10))
+            .busy_timeout(Duration::from_secs(10).min(options.statement_timeout))
             .foreign_keys(true)
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
         let pool = SqlitePoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect_lazy_with(options.clone());
-        Ok(SqliteStore { pool, options })
-    }
-
-    fn migrator() -> Migrator {
-        let migrations = vec![Migration::new(
-            1,
-            Cow::Borrowed("mail_queue"),
-            MigrationType::Simple,
-            SqlStr::from_static(include_str!("../../migrations/sqlite/0001_mail_queue.sql")),
-            false,
-        )];
-        let mut migrator = Migrator::with_migrations(migrations);
-        migrator.dangerous_set_table_name("tablemail_migrations");
-        migrator
+            .max_connections(options.max_connections)
+            .acquire_timeout(options.statement_timeout)
+            .connect_lazy_with(connect.clone());
+        Ok(SqliteStore {
+            shared: Shared {
+                pool,
+                deadline: options.statement_timeout,
+                queries: &QUERIES,
+                unit: shared::millis,
+                migrator: migrations::migrator(SQLITE),
+            },
+            options: connect,
+        })
     }
 }
 
@@ -78,28 +77,32 @@ WHERE id IN (
     ORDER BY priority DESC, send_at, id
     LIMIT ?4
 )
-RETURNING id, priority, attempts, attempts_remaining, from_name, from_address, to_address,
-          cc, bcc, reply_to, subject, body, body_html, headers, message_id,
-          julianday(created_at) < julianday('now') - ?5 / 86400000.0 AS expired
+RETURNING id, priority, attempts, attempts_remaining, relay_down_count, from_name,
+          from_address, to_address, cc, bcc, reply_to, subject, body, body_html, headers,
+          message_id, julianday(created_at) < julianday('now') - ?5 / 86400000.0 AS expired
 "#;
 
 const FINALIZE: &str = r#"
 UPDATE mail_queue
 SET status = f.status,
-    send_at = CASE WHEN f.status = 'queued' AND NOT f.refund
+    send_at = CASE WHEN f.delay_ms >= 0
                    THEN strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || (f.delay_ms / 1000.0) || ' seconds')
                    ELSE mail_queue.send_at END,
     attempts = mail_queue.attempts - f.refund,
     attempts_remaining = mail_queue.attempts_remaining + f.refund,
-    processed_at = CASE WHEN f.refund THEN mail_queue.processed_at
-                        ELSE strftime('%Y-%m-%d %H:%M:%f', 'now') END,
+    processed_at = CASE WHEN f.processed THEN strftime('%Y-%m-%d %H:%M:%f', 'now')
+                        ELSE mail_queue.processed_at END,
+    relay_down_count = CASE f.relay_down WHEN 0 THEN 0
+                                         WHEN 1 THEN mail_queue.relay_down_count + 1
+                                         ELSE mail_queue.relay_down_count END,
     thread_lock = NULL,
     locked_at = NULL,
     last_error = COALESCE(f.last_error, mail_queue.last_error)
 FROM (
     SELECT value ->> '$.id' AS id, value ->> '$.lock' AS lock, value ->> '$.status' AS status,
            value ->> '$.delay_ms' AS delay_ms, value ->> '$.error' AS last_error,
-           value ->> '$.refund' AS refund
+           value ->> '$.refund' AS refund, value ->> '$.processed' AS processed,
+           value ->> '$.relay_down' AS relay_down
     FROM json_each(?1)
 ) AS f
 WHERE mail_queue.id = f.id AND mail_queue.thread_lock = f.lock AND mail_queue.status = 'sending'
@@ -108,7 +111,8 @@ RETURNING mail_queue.id
 
 const RENEW: &str = r#"
 UPDATE mail_queue SET locked_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
-WHERE status = 'sending' AND thread_lock IN (SELECT value FROM json_each(?1))
+FROM (SELECT value ->> '$.id' AS id, value ->> '$.lock' AS lock FROM json_each(?1)) AS h
+WHERE mail_queue.id = h.id AND mail_queue.thread_lock = h.lock AND mail_queue.status = 'sending'
 "#;
 
 const RELEASE_STALE: &str = r#"
@@ -121,14 +125,15 @@ SET status = CASE WHEN attempts_remaining > 0 THEN 'queued' ELSE 'failed' END,
     thread_lock = NULL,
     locked_at = NULL
 WHERE status = 'sending' AND julianday(locked_at) < julianday('now') - ?1 / 86400000.0
+  AND thread_lock NOT IN (SELECT value FROM json_each(?2))
 RETURNING id, status = 'queued' AS requeued
 "#;
 
-const STATUS_COUNTS: &str = r#"
+static QUERIES: Queries = Queries {
+    status_counts: r#"
 SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status
-"#;
-
-const STATUS_AGES: &str = r#"
+"#,
+    status_ages: r#"
 SELECT
     (SELECT (julianday('now') - julianday(min(send_at))) * 86400.0 FROM mail_queue
       WHERE status = 'queued' AND julianday(send_at) <= julianday('now')) AS oldest_due,
@@ -140,46 +145,40 @@ SELECT
       WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-5 minutes')) AS sent_5m,
     (SELECT count(*) FROM mail_queue
       WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-15 minutes')) AS sent_15m
-"#;
-
-const FAILURE_REASONS: &str = r#"
-SELECT coalesce(last_error, '') FROM mail_queue
-WHERE status IN ('failed', 'unknown')
-  AND julianday(processed_at) > julianday('now') - ?1 / 86400000.0
-ORDER BY processed_at DESC
-LIMIT ?2
-"#;
-
-const RECENT_FAILURES: &str = r#"
+"#,
+    recent_failures: r#"
 SELECT id, status, processed_at, last_error FROM mail_queue
 WHERE status IN ('failed', 'unknown')
 ORDER BY processed_at IS NULL, processed_at DESC, id DESC
 LIMIT 10
-"#;
-
-const RETRY: &str = r#"
+"#,
+    failure_reasons: r#"
+SELECT status, last_error FROM mail_queue
+WHERE status IN ('failed', 'unknown', 'queued') AND last_error IS NOT NULL
+  AND julianday(processed_at) > julianday('now') - ?1 / 86400000.0
+ORDER BY processed_at DESC
+LIMIT ?2
+"#,
+    retry: r#"
 UPDATE mail_queue
-SET status = 'queued', attempts_remaining = ?2,
+SET status = 'queued', attempts_remaining = ?1,
     send_at = strftime('%Y-%m-%d %H:%M:%f', 'now'), created_at = strftime('%Y-%m-%d %H:%M:%f', 'now'),
-    thread_lock = NULL, locked_at = NULL
-WHERE status IN ('failed', 'unknown') AND (?1 IS NULL OR id = ?1)
-"#;
-
-const CANCEL: &str = r#"
+    relay_down_count = 0, thread_lock = NULL, locked_at = NULL
+WHERE status IN ('failed', 'unknown') AND id = COALESCE(?2, id)
+"#,
+    cancel: r#"
 UPDATE mail_queue SET status = 'cancelled', processed_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
 WHERE id = ?1 AND status = 'queued'
-"#;
-
-const PURGE_SENT: &str = r#"
+"#,
+    purge_sent: r#"
 DELETE FROM mail_queue WHERE id IN (
     SELECT id FROM mail_queue
     WHERE status = 'sent' AND julianday(processed_at) < julianday('now') - ?1 / 86400000.0
     ORDER BY processed_at
     LIMIT ?2
 )
-"#;
-
-const PURGE_FAILED: &str = r#"
+"#,
+    purge_failed: r#"
 DELETE FROM mail_queue WHERE id IN (
     SELECT id FROM mail_queue
     WHERE status IN ('failed', 'cancelled')
@@ -187,7 +186,8 @@ DELETE FROM mail_queue WHERE id IN (
     ORDER BY processed_at
     LIMIT ?2
 )
-"#;
+"#,
+};
 
 const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = ?1";
 
@@ -197,164 +197,125 @@ impl Store for SqliteStore {
         Backend::Sqlite
     }
 
-    async fn migrate(&self) -> Result<()> {
-        Self::migrator().run(&self.pool).await?;
-        Ok(())
-    }
-
-    async fn ping(&self) -> Result<()> {
-        sqlx::query("SELECT 1").execute(&self.pool).await?;
-        Ok(())
+    fn common(&self) -> &dyn Common {
+        &self.shared
     }
 
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
         let nonce = Uuid::new_v4().simple().to_string();
-        let rows = sqlx::query(CLAIM)
-            .bind(claim.lock.to_string())
-            .bind(nonce)
-            .bind(claim.message_id_domain)
-            .bind(claim.limit as i64)
-            .bind(millis(claim.max_age))
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|row| queued_mail_from_row(row, claim.lock))
-            .collect()
+        let (lock, limit) = (claim.lock, claim.limit as i64);
+        let (domain, max_age) = (
+            claim.message_id_domain.to_string(),
+            shared::millis(claim.max_age),
+        );
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let rows = sqlx::query(CLAIM)
+                        .bind(lock.to_string())
+                        .bind(nonce)
+                        .bind(domain)
+                        .bind(limit)
+                        .bind(max_age)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    rows.iter().map(|row| queued_mail(row, lock)).collect()
+                })
+            })
+            .await
     }
 
     async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
         if writes.is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(FINALIZE)
-            .bind(finalize_json(writes))
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|r| r.try_get::<i64, _>(0).map_err(Into::into))
-            .collect()
+        let json = finalize_json(writes);
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let rows = sqlx::query(FINALIZE).bind(json).fetch_all(&mut *c).await?;
+                    rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
+                })
+            })
+            .await
     }
 
-    async fn renew_locks(&self, locks: &[BatchLock]) -> Result<u64> {
-        if locks.is_empty() {
+    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64> {
+        if held.is_empty() {
             return Ok(0);
         }
-        let done = sqlx::query(RENEW)
-            .bind(locks_json(locks))
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+        let json = held_json(held);
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let done = sqlx::query(RENEW).bind(json).execute(&mut *c).await?;
+                    Ok(done.rows_affected())
+                })
+            })
+            .await
     }
 
-    async fn release_stale_locks(&self, older_than: Duration) -> Result<Vec<StaleRow>> {
-        let rows = sqlx::query(RELEASE_STALE)
-            .bind(millis(older_than))
-            .fetch_all(&self.pool)
-            .await?;
-        stale_rows(&rows)
+    async fn release_stale_locks(
+        &self,
+        older_than: Duration,
+        spare: &[BatchLock],
+    ) -> Result<Vec<StaleRow>> {
+        let (older_than, spare) = (shared::millis(older_than), locks_json(spare));
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let rows = sqlx::query(RELEASE_STALE)
+                        .bind(older_than)
+                        .bind(spare)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    stale_rows(&rows)
+                })
+            })
+            .await
     }
 
     async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
-        // IMMEDIATE: take the write lock first, so the transaction never has
-        // to upgrade a read snapshot (which SQLite refuses when busy).
-        let mut conn = self.pool.acquire().await?;
-        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
-        let mut out = Vec::with_capacity(mails.len());
-        for mail in mails {
-            let cols = mail.columns();
-            let names: Vec<&str> = cols.iter().map(|(name, _)| *name).collect();
-            let placeholders: Vec<String> = cols
-                .iter()
-                .enumerate()
-                .map(|(i, (_, p))| match p {
-                    Param::Time(_) => format!("strftime('%Y-%m-%d %H:%M:%f', ?{})", i + 1),
-                    _ => format!("?{}", i + 1),
+        let mails = mails.to_vec();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    // IMMEDIATE: take the write lock first, so the transaction
+                    // never has to upgrade a read snapshot (which SQLite
+                    // refuses when busy).
+                    let mut tx = c.begin_with("BEGIN IMMEDIATE").await?;
+                    let mut out = Vec::with_capacity(mails.len());
+                    for mail in &mails {
+                        let query = insert_query(
+                            insert_columns(mail),
+                            |i, p| match p {
+                                // Times in the column's own text format, so
+                                // that they sort with the defaults.
+                                Param::Time(_) => format!("strftime('%Y-%m-%d %H:%M:%f', ?{i})"),
+                                _ => format!("?{i}"),
+                            },
+                            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
+                        );
+                        let enqueued = match query.fetch_optional(&mut *tx).await? {
+                            Some(row) => Enqueued {
+                                id: row.try_get(0)?,
+                                duplicate: false,
+                            },
+                            None => Enqueued {
+                                id: sqlx::query_scalar(EXISTING_DEDUPE)
+                                    .bind(mail.dedupe_key.as_deref())
+                                    .fetch_one(&mut *tx)
+                                    .await?,
+                                duplicate: true,
+                            },
+                        };
+                        out.push(enqueued);
+                    }
+                    tx.commit().await?;
+                    Ok(out)
                 })
-                .collect();
-            let sql = format!(
-                "INSERT INTO mail_queue ({}) VALUES ({}) \
-                 ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
-                names.join(", "),
-                placeholders.join(", ")
-            );
-            let mut query = sqlx::query(AssertSqlSafe(sql));
-            for (_, param) in cols {
-                query = match param {
-                    Param::Text(t) => query.bind(t.to_string()),
-                    Param::Int(i) => query.bind(i),
-                    Param::Time(t) => query.bind(t.format("%Y-%m-%d %H:%M:%S%.3f").to_string()),
-                    Param::Json(j) => query.bind(j),
-                };
-            }
-            let inserted = query.fetch_optional(&mut *tx).await?;
-            let enqueued = match inserted {
-                Some(row) => Enqueued {
-                    id: row.try_get(0)?,
-                    duplicate: false,
-                },
-                None => Enqueued {
-                    id: sqlx::query_scalar(EXISTING_DEDUPE)
-                        .bind(mail.dedupe_key.as_deref())
-                        .fetch_one(&mut *tx)
-                        .await?,
-                    duplicate: true,
-                },
-            };
-            out.push(enqueued);
-        }
-        tx.commit().await?;
-        Ok(out)
-    }
-
-    async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
-        let counts = sqlx::query(STATUS_COUNTS).fetch_all(&self.pool).await?;
-        let ages = sqlx::query(STATUS_AGES)
-            .bind(millis(lock_timeout))
-            .fetch_one(&self.pool)
-            .await?;
-        let failures = sqlx::query(RECENT_FAILURES).fetch_all(&self.pool).await?;
-        queue_stats(&counts, &ages, &failures)
-    }
-
-    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<String>> {
-        Ok(sqlx::query_scalar(FAILURE_REASONS)
-            .bind(millis(within))
-            .bind(limit as i64)
-            .fetch_all(&self.pool)
-            .await?)
-    }
-
-    async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
-        let id = which.id();
-        let done = sqlx::query(RETRY)
-            .bind(id)
-            .bind(attempts)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
-    }
-
-    async fn cancel(&self, id: i64) -> Result<u64> {
-        let done = sqlx::query(CANCEL).bind(id).execute(&self.pool).await?;
-        Ok(done.rows_affected())
-    }
-
-    async fn purge_finished(
-        &self,
-        kind: Finished,
-        older_than: Duration,
-        limit: usize,
-    ) -> Result<u64> {
-        let sql = match kind {
-            Finished::Sent => PURGE_SENT,
-            Finished::FailedOrCancelled => PURGE_FAILED,
-        };
-        let done = sqlx::query(sql)
-            .bind(millis(older_than))
-            .bind(limit as i64)
-            .execute(&self.pool)
-            .await?;
-        Ok(done.rows_affected())
+            })
+            .await
     }
 
     fn spawn_wakeup_listener(

@@ -97,6 +97,7 @@ pub struct RowState {
     pub locked: bool,
     pub message_id: Option<String>,
     pub last_error: Option<String>,
+    pub relay_down_count: i32,
     /// `send_at` is in the future (by the database clock).
     pub scheduled: bool,
     pub processed: bool,
@@ -324,7 +325,8 @@ impl TestDb {
         };
         let sql = format!(
             "SELECT id, status, attempts, attempts_remaining, thread_lock IS NOT NULL AS locked, \
-             message_id, last_error, {future} AS scheduled, processed_at IS NOT NULL AS processed \
+             message_id, last_error, relay_down_count, {future} AS scheduled, \
+             processed_at IS NOT NULL AS processed \
              FROM mail_queue ORDER BY id"
         );
         let q = sqlx::AssertSqlSafe(sql);
@@ -339,6 +341,7 @@ impl TestDb {
                     locked: r.get("locked"),
                     message_id: r.get("message_id"),
                     last_error: r.get("last_error"),
+                    relay_down_count: r.get("relay_down_count"),
                     scheduled: r.get("scheduled"),
                     processed: r.get("processed"),
                 })

@@ -1,4 +1,4 @@
-//! Backoff policy: pure functions, so the arithmetic is tested without clocks.
+//! Backoff arithmetic: pure functions, so it is tested without clocks.
 
 use std::time::Duration;
 

@@ -1,0 +1,93 @@
+//! `tablemail enqueue`: one mail from flags, or many as JSON lines; each is
+//! checked the way the worker will build it, so what could never be sent is
+//! refused (exit 2) before anything is inserted.
+
+use std::io::BufRead;
+
+use chrono::{DateTime, Utc};
+
+use crate::{cli::EnqueueArgs, config::Settings, mail, store::NewMail};
+
+use super::{connect, message_defaults, CommandError, Result};
+
+/// Turns the flags of `enqueue` into one mail.
+fn mail_from_flags(args: EnqueueArgs) -> Result<NewMail> {
+    let send_at = args.send_at.as_deref().map(parse_send_at).transpose()?;
+    let mut headers = serde_json::Map::new();
+    for h in &args.header {
+        let (name, value) = h
+            .split_once(':')
+            .ok_or_else(|| CommandError::Usage(format!("--header `{h}`: expected NAME:VALUE")))?;
+        headers.insert(
+            name.trim().to_string(),
+            serde_json::Value::String(value.trim_start().to_string()),
+        );
+    }
+    Ok(NewMail {
+        to_address: args.to.unwrap_or_default(),
+        subject: args.subject,
+        body: args.body,
+        body_html: args.html,
+        cc: args.cc,
+        bcc: args.bcc,
+        reply_to: args.reply_to,
+        from_name: args.from_name,
+        from_address: args.from,
+        priority: args.priority,
+        send_at,
+        dedupe_key: args.dedupe_key,
+        headers: (!headers.is_empty()).then_some(headers),
+        ..NewMail::default()
+    })
+}
+
+/// An RFC 3339 time, or a delay from now such as `10m`.
+fn parse_send_at(s: &str) -> Result<DateTime<Utc>> {
+    if let Ok(t) = DateTime::parse_from_rfc3339(s) {
+        return Ok(t.with_timezone(&Utc));
+    }
+    let delay = humantime::parse_duration(s).map_err(|_| {
+        CommandError::Usage(format!(
+            "--send-at `{s}`: expected an RFC 3339 time or a delay such as 10m"
+        ))
+    })?;
+    let delay = chrono::Duration::from_std(delay)
+        .map_err(|_| CommandError::Usage(format!("--send-at `{s}`: too far away")))?;
+    Ok(Utc::now() + delay)
+}
+
+pub(super) async fn enqueue(settings: &Settings, args: EnqueueArgs) -> Result<()> {
+    let defaults = message_defaults(settings)?;
+    let mails = if args.jsonl {
+        let mut mails = Vec::new();
+        for (n, line) in std::io::stdin().lock().lines().enumerate() {
+            let line = line.map_err(|e| CommandError::Runtime(format!("stdin: {e}")))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let mail: NewMail = serde_json::from_str(&line)
+                .map_err(|e| CommandError::Usage(format!("line {}: {e}", n + 1)))?;
+            mail::check_new(&mail, &defaults)
+                .map_err(|e| CommandError::Usage(format!("line {}: {e}", n + 1)))?;
+            mails.push(mail);
+        }
+        mails
+    } else {
+        let mail = mail_from_flags(args)?;
+        mail::check_new(&mail, &defaults).map_err(|e| CommandError::Usage(e.to_string()))?;
+        vec![mail]
+    };
+    let store = connect(settings).await?;
+    let results = store.enqueue(&mails).await?;
+    for (mail, r) in mails.iter().zip(&results) {
+        println!("{}", r.id);
+        if r.duplicate {
+            eprintln!(
+                "tablemail: dedupe_key {:?} exists already as mail {}; nothing inserted",
+                mail.dedupe_key.as_deref().unwrap_or_default(),
+                r.id
+            );
+        }
+    }
+    Ok(())
+}

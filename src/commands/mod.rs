@@ -1,0 +1,106 @@
+//! What each command does, on top of the store, the transport and the
+//! worker: one file per family. Exit codes: 0 success, 1 runtime failure,
+//! 2 bad configuration or usage.
+//!
+//! - [`run`]: the daemon.
+//! - [`enqueue`]: inserting mails from flags or JSON lines.
+//! - [`status`]: what the queue holds and how it fares.
+//! - [`admin`]: migrate, retry, cancel, purge, check.
+
+mod admin;
+mod enqueue;
+mod run;
+mod status;
+
+use std::{process::ExitCode, sync::Arc};
+
+use crate::{
+    cli::Command,
+    config::Settings,
+    mail::{self, MessageDefaults},
+    smtp::Transport,
+    store::{Store, StoreError},
+};
+
+pub const EXIT_RUNTIME: u8 = 1;
+pub const EXIT_CONFIG: u8 = 2;
+
+/// A command's failure, by exit code.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    /// Bad configuration or usage: exit 2.
+    #[error("{0}")]
+    Usage(String),
+    /// Anything that went wrong while running: exit 1.
+    #[error("{0}")]
+    Runtime(String),
+}
+
+impl From<StoreError> for CommandError {
+    fn from(e: StoreError) -> Self {
+        CommandError::Runtime(e.to_string())
+    }
+}
+
+type Result<T, E = CommandError> = std::result::Result<T, E>;
+
+/// Runs one command and maps its result to an exit code.
+pub async fn execute(command: Command, settings: Settings) -> ExitCode {
+    let daemon = matches!(command, Command::Run);
+    let result = match command {
+        Command::Run => run::run(&settings).await,
+        Command::Migrate => admin::migrate(&settings).await,
+        Command::Enqueue(args) => enqueue::enqueue(&settings, *args).await,
+        Command::Status { json } => status::status(&settings, json).await,
+        Command::Retry(args) => admin::retry(&settings, args).await,
+        Command::Cancel { id } => admin::cancel(&settings, id).await,
+        Command::Purge => admin::purge(&settings).await,
+        Command::Check => admin::check(&settings).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            if daemon {
+                tracing::error!(error = %e, "tablemail stopped");
+            }
+            eprintln!("tablemail: {e}");
+            ExitCode::from(match e {
+                CommandError::Usage(_) => EXIT_CONFIG,
+                CommandError::Runtime(_) => EXIT_RUNTIME,
+            })
+        }
+    }
+}
+
+/// The defaults every message takes from the configuration.
+pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
+    let from_address = settings
+        .defaults
+        .from_address
+        .as_deref()
+        .map(mail::parse_address)
+        .transpose()
+        .map_err(|e| CommandError::Usage(format!("defaults.from_address: {e}")))?;
+    Ok(MessageDefaults {
+        from_address,
+        from_name: settings.defaults.from_name.clone(),
+        max_message_size: settings.transport.max_message_size.0,
+    })
+}
+
+/// The database named by `database.*`.
+async fn connect(settings: &Settings) -> Result<Arc<dyn Store>> {
+    settings
+        .database
+        .connect()
+        .await
+        .map_err(|e| CommandError::Usage(format!("database.url: {e}")))
+}
+
+/// The transport named by `transport.*`.
+pub fn build_transport(settings: &Settings) -> Result<Transport> {
+    settings
+        .transport
+        .client(&mail::local_hostname())
+        .map_err(|e| CommandError::Usage(e.to_string()))
+}

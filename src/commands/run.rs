@@ -1,0 +1,81 @@
+//! `tablemail run`: the daemon, wired from its settings.
+
+use std::{sync::Arc, time::Duration};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::Settings,
+    mail, metrics, shutdown,
+    store::Store,
+    systemd,
+    worker::{retry, Worker},
+};
+
+use super::{build_transport, connect, message_defaults, CommandError, Result};
+
+/// Waits for the first database round-trip, retrying with backoff; `false`
+/// when cancelled first.
+async fn wait_for_database(store: &Arc<dyn Store>, cancel: &CancellationToken) -> bool {
+    let mut failures = 0;
+    loop {
+        match store.ping().await {
+            Ok(()) => return true,
+            Err(e) => {
+                failures += 1;
+                let pause =
+                    retry::relay_pause(failures, retry::jitter()).min(Duration::from_secs(30));
+                tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "database unavailable");
+                tokio::select! {
+                    _ = cancel.cancelled() => return false,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+            }
+        }
+    }
+}
+
+pub(super) async fn run(settings: &Settings) -> Result<()> {
+    let cancel = shutdown::on_signal();
+    let transport = build_transport(settings)?;
+    if let Some(dir) = transport.outbox() {
+        tracing::warn!(
+            dir = %dir.display(),
+            "file transport: mails are written as .eml files and do not leave this machine"
+        );
+    }
+    let defaults = message_defaults(settings)?;
+    let store = connect(settings).await?;
+    if !wait_for_database(&store, &cancel).await {
+        return Ok(());
+    }
+    if settings.database.migrate {
+        store.migrate().await?;
+    }
+    let worker = Worker::new(
+        store.clone(),
+        Arc::new(transport),
+        settings.worker.clone(),
+        settings.retention.clone(),
+        defaults,
+        mail::local_hostname(),
+    );
+    if let Some(listen) = &settings.metrics.listen {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .map_err(|e| CommandError::Runtime(format!("metrics.listen {listen}: {e}")))?;
+        tracing::info!(listen = %listen, "serving /metrics and /healthz");
+        let serving = metrics::serve(
+            listener,
+            worker.metrics(),
+            store,
+            settings.worker.lock_timeout,
+            cancel.clone(),
+        );
+        tokio::spawn(serving);
+    }
+    // Migrated, and the database answered: ready to work.
+    systemd::notify("READY=1");
+    worker.run(cancel).await;
+    Ok(())
+}

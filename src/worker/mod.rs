@@ -1,0 +1,358 @@
+//! claim -> send -> group commit.
+//!
+//! [`Worker::run`] is the daemon: a claimer keeps the [`pipeline`] fed until
+//! SIGTERM, while chores renew locks, sweep stale ones, purge and vacuum.
+//! [`Worker::process_batch`] pushes one claimed batch through the very same
+//! pipeline (lanes, group commit with retry, lock renewal while held), so the
+//! step tests drive is the path the daemon runs. What becomes of each mail is
+//! decided by one pure function, [`outcome::decide`].
+//!
+//! - [`pipeline`]: the job queue, the lanes, the group commit, the drain.
+//! - [`outcome`]: the outcome policy (DESIGN §2).
+//! - [`relay`]: the relay gate: pauses and probes while the relay is down.
+//! - [`pace`]: `worker.rate_limit`, domain and relay throttling.
+//! - [`held`]: the rows this process holds.
+//! - [`chores`]: lock renewal, stale-lock sweeps, purge, watchdog.
+//! - [`retry`]: backoff arithmetic.
+
+mod chores;
+mod held;
+pub mod outcome;
+pub mod pace;
+mod pipeline;
+pub mod relay;
+pub mod retry;
+
+use std::{
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
+
+use tokio::{sync::Notify, task::JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    config::{RetentionSettings, WorkerSettings},
+    mail::MessageDefaults,
+    metrics::Metrics,
+    smtp::Transport,
+    store::{BatchLock, Claim, FinalAction, QueuedMail, Store, StoreError},
+    systemd,
+    telemetry::redact_addresses,
+};
+
+use held::Held;
+use outcome::Policy;
+use pace::{Pace, Throttles};
+use pipeline::{JobQueue, Stop};
+use relay::RelayGate;
+
+/// What [`Worker::process_batch`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BatchReport {
+    pub claimed: usize,
+    pub sent: usize,
+    pub retried: usize,
+    pub failed: usize,
+    pub unknown: usize,
+    /// Back to `queued` unspent, at once (released) or later (deferred).
+    pub released: usize,
+    pub deferred: usize,
+    /// Outcomes not written because the lock had been taken away.
+    pub fenced: usize,
+}
+
+impl BatchReport {
+    fn add(&mut self, action: &FinalAction, written: bool) {
+        let counter = match (written, action) {
+            (false, _) => &mut self.fenced,
+            (true, FinalAction::Sent) => &mut self.sent,
+            (true, FinalAction::Retry { .. }) => &mut self.retried,
+            (true, FinalAction::Failed { .. }) => &mut self.failed,
+            (true, FinalAction::Unknown { .. }) => &mut self.unknown,
+            (true, FinalAction::Release) => &mut self.released,
+            (true, FinalAction::Defer { .. }) => &mut self.deferred,
+        };
+        *counter += 1;
+    }
+}
+
+/// Claims, sends and finalizes mails for one daemon.
+pub struct Worker {
+    store: Arc<dyn Store>,
+    transport: Arc<Transport>,
+    settings: WorkerSettings,
+    retention: RetentionSettings,
+    defaults: MessageDefaults,
+    message_id_domain: String,
+    policy: Policy,
+    metrics: Arc<Metrics>,
+    relay: RelayGate,
+    pace: Pace,
+    throttles: Throttles,
+    held: Held,
+    /// New rows may be due (NOTIFY, a released stale lock).
+    wake: Arc<Notify>,
+    /// A group commit made room for more claimed rows.
+    freed: Notify,
+    /// When the database last answered a claim or a commit, in ms since `born`.
+    db_answered_ms: AtomicU64,
+    born: std::time::Instant,
+}
+
+impl Worker {
+    pub fn new(
+        store: Arc<dyn Store>,
+        transport: Arc<Transport>,
+        settings: WorkerSettings,
+        retention: RetentionSettings,
+        defaults: MessageDefaults,
+        message_id_domain: String,
+    ) -> Arc<Worker> {
+        Arc::new(Worker {
+            policy: Policy {
+                ambiguous: settings.ambiguous,
+                retry_base: settings.retry_base,
+                retry_max: settings.retry_max,
+                relay_down_limit: settings.relay_down_limit,
+            },
+            pace: Pace::new(settings.rate_limit),
+            metrics: Arc::new(Metrics::default()),
+            db_answered_ms: AtomicU64::new(0),
+            born: std::time::Instant::now(),
+            store,
+            transport,
+            settings,
+            retention,
+            defaults,
+            message_id_domain,
+            relay: RelayGate::default(),
+            throttles: Throttles::default(),
+            held: Held::default(),
+            wake: Arc::new(Notify::new()),
+            freed: Notify::new(),
+        })
+    }
+
+    pub fn relay(&self) -> &RelayGate {
+        &self.relay
+    }
+
+    /// The counters and health the HTTP endpoints read.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+
+    /// The database answered just now.
+    fn database_answered(&self) {
+        let now = self.born.elapsed().as_millis() as u64;
+        self.db_answered_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// Whether the database answered within `window`.
+    fn database_answered_within(&self, window: Duration) -> bool {
+        let last = Duration::from_millis(self.db_answered_ms.load(Ordering::Relaxed));
+        self.born.elapsed().saturating_sub(last) <= window
+    }
+
+    fn relay_went_through(&self) {
+        if !self.relay.is_up() {
+            self.metrics.relay_up();
+        }
+        self.relay.went_through();
+    }
+
+    /// Claims one batch and pushes it through the pipeline: sends it (up to
+    /// `worker.concurrency` sessions at once), renews its locks while it is
+    /// held, and commits every outcome, retrying the commit until the
+    /// database answers. While the relay is paused, claims nothing.
+    pub async fn process_batch(self: &Arc<Self>) -> Result<BatchReport, StoreError> {
+        if !self.relay_ready().await {
+            return Ok(BatchReport::default());
+        }
+        let mails = self.claim(self.settings.batch_size).await?;
+        let claimed = mails.len();
+        if claimed == 0 {
+            return Ok(BatchReport::default());
+        }
+        let queue = Arc::new(JobQueue::default());
+        queue.push(mails);
+        let lanes = self.settings.concurrency.min(claimed);
+        let mut report = self
+            .drain(
+                queue,
+                lanes,
+                Stop::default(),
+                async {},
+                self.settings.shutdown_timeout,
+            )
+            .await;
+        report.claimed = claimed;
+        Ok(report)
+    }
+
+    /// Runs until `cancel` fires, then drains and returns.
+    pub async fn run(self: Arc<Self>, cancel: CancellationToken) {
+        let listening = self
+            .store
+            .spawn_wakeup_listener(self.wake.clone(), cancel.clone());
+        tracing::info!(
+            backend = %self.store.backend(),
+            concurrency = self.settings.concurrency,
+            batch_size = self.settings.batch_size,
+            wakeup = listening.unwrap_or("poll"),
+            "worker started"
+        );
+        let background = CancellationToken::new();
+        let mut chores = JoinSet::new();
+        if let Some(interval) = systemd::watchdog_interval() {
+            chores.spawn(self.clone().watchdog(interval, background.clone()));
+        }
+        chores.spawn(self.clone().sweep(background.clone()));
+        chores.spawn(self.clone().purge(background.clone()));
+
+        let queue = Arc::new(JobQueue::default());
+        let stop = Stop {
+            taking: cancel.clone(),
+            sending: CancellationToken::new(),
+        };
+        let feed = async {
+            self.claim_loop(&cancel, &queue).await;
+            systemd::notify("STOPPING=1");
+        };
+        self.drain(
+            queue.clone(),
+            self.settings.concurrency,
+            stop,
+            feed,
+            self.settings.shutdown_timeout,
+        )
+        .await;
+        background.cancel();
+        while chores.join_next().await.is_some() {}
+        self.transport.close().await;
+        tracing::info!("worker stopped");
+    }
+
+    /// Claims up to `limit` due rows under a fresh batch lock.
+    async fn claim(&self, limit: usize) -> Result<Vec<QueuedMail>, StoreError> {
+        let claim = Claim {
+            lock: BatchLock::new(),
+            limit,
+            max_age: self.settings.max_age,
+            message_id_domain: &self.message_id_domain,
+        };
+        let mut mails = self.store.claim_batch(&claim).await?;
+        self.database_answered();
+        self.held.add(&mails);
+        // The database returns them in no particular order; start the most
+        // important ones first.
+        mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
+        Ok(mails)
+    }
+
+    /// Whether rows may be claimed for the relay now: not while it is paused;
+    /// after a pause for an unreachable relay, only once a probe (connect,
+    /// EHLO, QUIT) finds it answering.
+    async fn relay_ready(&self) -> bool {
+        if self.relay.paused_for().is_some() {
+            return false;
+        }
+        if !self.relay.wants_probe() {
+            return true;
+        }
+        match self.transport.probe().await {
+            Ok(_) => {
+                self.relay.probed();
+                true
+            }
+            Err(e) => {
+                let reason = redact_addresses(&e.to_string());
+                self.relay.trip(&reason, e.needs_operator(), true, e.code());
+                self.metrics.relay_down(&reason);
+                false
+            }
+        }
+    }
+
+    /// How many claimed rows this daemon may hold at once: enough to keep
+    /// every connection busy while the next claim and the last commit are on
+    /// their way; when paced, about two seconds of its pace, so that it never
+    /// sits on minutes of mail that other daemons could send.
+    fn claim_ahead(&self) -> usize {
+        let normal = 2 * self.settings.concurrency + 4 * self.settings.batch_size;
+        match self.pace.limit() {
+            Some(rate) => ((2.0 * rate).ceil() as usize).clamp(1, normal),
+            None => normal,
+        }
+    }
+
+    /// Keeps the lanes' queue filled with claimed rows until `cancel` fires.
+    async fn claim_loop(self: &Arc<Self>, cancel: &CancellationToken, queue: &JobQueue) {
+        let batch = self.settings.batch_size;
+        let mut more_due = true;
+        let mut db_failures = 0u32;
+        while !cancel.is_cancelled() {
+            if !more_due {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = self.wake.notified() => {}
+                    _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                }
+            }
+            if let Some(pause) = self.relay.paused_for() {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(pause) => {}
+                }
+                more_due = true;
+                continue;
+            }
+            if !self.relay_ready().await {
+                more_due = true;
+                continue;
+            }
+            // Under load, claim at least half a batch at a time, not a row
+            // per freed slot: one round-trip per row would cap throughput.
+            let cap = self.claim_ahead();
+            let min_claim = (batch / 2).max(1).min(cap);
+            let freed = self.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            let room = cap.saturating_sub(self.held.len());
+            if room < min_claim {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = freed => {}
+                    _ = tokio::time::sleep(self.settings.poll_interval) => {}
+                }
+                more_due = true;
+                continue;
+            }
+            let want = room.min(batch);
+            // Not raced against `cancel`: a claim that committed must reach
+            // the queue, or its rows would wait for the stale-lock sweep.
+            match self.claim(want).await {
+                Ok(mails) => {
+                    db_failures = 0;
+                    more_due = mails.len() == want;
+                    queue.push(mails);
+                }
+                Err(e) => {
+                    db_failures += 1;
+                    let pause = retry::relay_pause(db_failures, retry::jitter())
+                        .min(Duration::from_secs(30));
+                    tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "database unavailable");
+                    tokio::select! {
+                        _ = cancel.cancelled() => return,
+                        _ = tokio::time::sleep(pause) => {}
+                    }
+                    more_due = true;
+                }
+            }
+        }
+    }
+}

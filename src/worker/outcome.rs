@@ -1,0 +1,727 @@
+//! The outcome policy: what becomes of one claimed mail, as a pure function
+//! of how far its send got and what it returned, the row's attempts, the
+//! settings, and what the relay did for other mails lately. DESIGN §2, row by
+//! row; the tests below are that table.
+
+use std::time::Duration;
+
+pub use crate::metrics::Outcome as Logged;
+use crate::{
+    config::Ambiguous,
+    mail::MailError,
+    smtp::{Delivered, SendError, Stage},
+    store::FinalAction,
+};
+
+use super::retry;
+
+/// The settings the policy reads.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub ambiguous: Ambiguous,
+    pub retry_base: Duration,
+    pub retry_max: Duration,
+    /// Relay-down outcomes one row may draw in a row, while others go
+    /// through, before it spends attempts (`worker.relay_down_limit`).
+    pub relay_down_limit: u32,
+}
+
+/// What the policy needs of the claimed row.
+#[derive(Debug, Clone, Copy)]
+pub struct Row {
+    /// Tries made, this one included.
+    pub attempts: i32,
+    /// Tries left after this one.
+    pub attempts_remaining: i32,
+    /// Relay-down outcomes this row drew in a row before this one.
+    pub relay_down_count: i32,
+}
+
+/// What the relay did for other mails lately.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RelayView {
+    /// Another mail went through while this one was being sent, or just
+    /// before: the relay works, a refusal is this mail's own.
+    pub others_went_through: bool,
+    /// Mails the relay refused in the middle of their transaction (a 421)
+    /// since the last one went through, this one not counted.
+    pub refusals_in_a_row: u32,
+}
+
+/// How far one mail got.
+#[derive(Debug, Clone)]
+pub enum Attempt {
+    Delivered(Delivered),
+    Failed(SendError),
+    /// The send was stopped from outside at `stage`.
+    CutOff {
+        stage: Stage,
+        by: CutOff,
+    },
+    /// The row cannot become a message.
+    Invalid(MailError),
+    /// `created_at` is older than `worker.max_age`.
+    Expired,
+    /// Not tried now, and why.
+    Held(Hold),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CutOff {
+    /// The shutdown deadline (`worker.shutdown_timeout`) passed.
+    Shutdown,
+    /// The sender crashed (a panic).
+    Crash,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Hold {
+    /// The relay was found unavailable: wait for the pause to end.
+    RelayPaused,
+    /// The daemon is stopping.
+    ShuttingDown,
+    /// A recipient domain asked us to slow down.
+    DomainThrottled { domain: String, wait: Duration },
+}
+
+/// What the relay's answer tells about the relay as a whole.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelaySignal {
+    /// Nothing new.
+    Quiet,
+    /// A mail went through: the relay works.
+    WentThrough,
+    /// The relay cannot take mail now: pause everything.
+    Down { needs_operator: bool },
+    /// The configuration cannot send this mail (no sender): say so loudly.
+    ConfigFault,
+}
+
+/// The policy's answer for one mail.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub action: FinalAction,
+    pub logged: Logged,
+    pub relay: RelaySignal,
+}
+
+/// How the relay's answer counts, DESIGN §2's table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// The relay cannot take mail now (refused, TLS, AUTH, 421, a negative
+    /// greeting): no attempt is spent.
+    RelayDown,
+    /// 4xx to MAIL, RCPT or DATA, or the connection dropped before ".".
+    Transient,
+    /// 5xx to MAIL, RCPT, DATA or after ".".
+    Permanent,
+    /// No reply after "." went out: the relay may have the mail.
+    Ambiguous,
+}
+
+pub fn classify(e: &SendError) -> Class {
+    let reaching_the_relay = !e.stage.in_transaction();
+    match e.code() {
+        Some(421) => Class::RelayDown,
+        Some(_) if reaching_the_relay => Class::RelayDown,
+        Some(code) if code >= 500 => Class::Permanent,
+        Some(_) => Class::Transient,
+        None if reaching_the_relay => Class::RelayDown,
+        None if e.stage == Stage::AfterDot => Class::Ambiguous,
+        None => Class::Transient,
+    }
+}
+
+/// A pause that moves a row out of the way without blaming it.
+const SHORT_DEFERRAL: Duration = Duration::from_secs(1);
+
+/// What becomes of one mail. `jitter` in `[0, 1)` spreads backoffs.
+pub fn decide(
+    attempt: &Attempt,
+    row: Row,
+    relay: RelayView,
+    policy: &Policy,
+    jitter: f64,
+) -> Decision {
+    let backoff =
+        |n: i32| retry::retry_delay(n.max(1) as u32, policy.retry_base, policy.retry_max, jitter);
+    let decision = |action, logged, relay| Decision {
+        action,
+        logged,
+        relay,
+    };
+    // A failed try: again later while attempts remain.
+    let transient = |error: String, relay_down: bool| {
+        if row.attempts_remaining > 0 {
+            decision(
+                FinalAction::Retry {
+                    delay: backoff(row.attempts),
+                    error,
+                    relay_down,
+                },
+                Logged::Retry,
+                RelaySignal::Quiet,
+            )
+        } else {
+            decision(
+                FinalAction::Failed { error, relay_down },
+                Logged::Failed,
+                RelaySignal::Quiet,
+            )
+        }
+    };
+    // The relay may have it.
+    let ambiguous = |error: String| {
+        let action = if policy.ambiguous == Ambiguous::Hold || row.attempts_remaining == 0 {
+            FinalAction::Unknown { error }
+        } else {
+            FinalAction::Retry {
+                delay: backoff(row.attempts),
+                error,
+                relay_down: false,
+            }
+        };
+        decision(action, Logged::Ambiguous, RelaySignal::Quiet)
+    };
+    let released = |relay| decision(FinalAction::Release, Logged::Released, relay);
+    let deferred = |delay, error, counted| {
+        decision(
+            FinalAction::Defer {
+                delay,
+                error,
+                counted,
+            },
+            Logged::Released,
+            RelaySignal::Quiet,
+        )
+    };
+    let failed = |error: String| {
+        decision(
+            FinalAction::Failed {
+                error,
+                relay_down: false,
+            },
+            Logged::Failed,
+            RelaySignal::Quiet,
+        )
+    };
+    match attempt {
+        Attempt::Delivered(_) => {
+            decision(FinalAction::Sent, Logged::Sent, RelaySignal::WentThrough)
+        }
+        Attempt::Failed(e) => match classify(e) {
+            Class::Transient => transient(e.to_string(), false),
+            Class::Permanent => failed(e.to_string()),
+            Class::Ambiguous => ambiguous(e.to_string()),
+            Class::RelayDown if !e.stage.in_transaction() => released(RelaySignal::Down {
+                needs_operator: e.needs_operator(),
+            }),
+            // A refusal in the middle of the transaction (a 421 to MAIL,
+            // RCPT, DATA or "."): the relay's, or only this mail's?
+            Class::RelayDown if relay.others_went_through => {
+                let count = row.relay_down_count;
+                if count < policy.relay_down_limit as i32 {
+                    let error = format!(
+                        "{e} (deferred: {} of {} while other mails went through)",
+                        count + 1,
+                        policy.relay_down_limit
+                    );
+                    deferred(backoff(count + 1), error, true)
+                } else {
+                    transient(e.to_string(), true)
+                }
+            }
+            // The first refusal since the last success: move the row out of
+            // the way (it would be first in line again) without blaming it.
+            Class::RelayDown if relay.refusals_in_a_row == 0 => {
+                deferred(SHORT_DEFERRAL, e.to_string(), false)
+            }
+            Class::RelayDown => released(RelaySignal::Down {
+                needs_operator: false,
+            }),
+        },
+        Attempt::CutOff { stage, by } => {
+            let error = match by {
+                CutOff::Shutdown => format!("{stage}: interrupted by shutdown"),
+                CutOff::Crash => format!("{stage}: the sender crashed"),
+            };
+            match (stage, by) {
+                (Stage::AfterDot, _) => ambiguous(format!(
+                    "no reply after end of data: {}",
+                    match by {
+                        CutOff::Shutdown => "interrupted by shutdown",
+                        CutOff::Crash => "the sender crashed",
+                    }
+                )),
+                (_, CutOff::Shutdown) => released(RelaySignal::Quiet),
+                // Spent: a mail that crashes its sender must not loop forever.
+                (_, CutOff::Crash) => transient(error, false),
+            }
+        }
+        Attempt::Invalid(MailError::NoSender) => Decision {
+            action: FinalAction::Defer {
+                delay: policy.retry_base.min(Duration::from_secs(60)),
+                error: MailError::NoSender.to_string(),
+                counted: false,
+            },
+            logged: Logged::Released,
+            relay: RelaySignal::ConfigFault,
+        },
+        Attempt::Invalid(e) => failed(e.to_string()),
+        Attempt::Expired => failed("expired".into()),
+        Attempt::Held(Hold::RelayPaused | Hold::ShuttingDown) => released(RelaySignal::Quiet),
+        Attempt::Held(Hold::DomainThrottled { domain, wait }) => deferred(
+            *wait,
+            format!("deferred: {domain} asked to slow down"),
+            false,
+        ),
+    }
+}
+
+/// What a failure came to, for counting in `status`: the stage and reply
+/// code when the relay gave one ("RCPT TO 550"), otherwise a short kind. Reads
+/// back the `last_error` that [`SendError`]'s `Display` and this module write.
+pub fn failure_kind(last_error: &str) -> String {
+    let code = last_error.split_once(": ").and_then(|(stage, rest)| {
+        let code = rest.get(..3)?;
+        let valid =
+            code.bytes().all(|b| b.is_ascii_digit()) && matches!(code.as_bytes()[0], b'4' | b'5');
+        valid.then(|| format!("{stage} {code}"))
+    });
+    if let Some(code) = code {
+        return code;
+    }
+    let kind = if last_error.starts_with("expired") {
+        "expired"
+    } else if last_error.starts_with("no reply after end of data") {
+        "no reply after \".\""
+    } else if last_error.starts_with("lock expired") {
+        "worker lost"
+    } else if last_error.starts_with("deferred: ") {
+        "domain throttled"
+    } else if last_error.starts_with("no sender") {
+        "no sender configured"
+    } else if last_error.contains("connection lost") {
+        "connection lost"
+    } else if last_error.contains("interrupted by shutdown") {
+        "interrupted by shutdown"
+    } else {
+        "invalid mail"
+    };
+    kind.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::smtp::Reply;
+
+    fn policy() -> Policy {
+        Policy {
+            ambiguous: Ambiguous::Resend,
+            retry_base: Duration::from_secs(60),
+            retry_max: Duration::from_secs(3600),
+            relay_down_limit: 3,
+        }
+    }
+
+    fn row(attempts_remaining: i32) -> Row {
+        Row {
+            attempts: 5 - attempts_remaining,
+            attempts_remaining,
+            relay_down_count: 0,
+        }
+    }
+
+    fn replied(stage: Stage, code: u16, text: &str) -> Attempt {
+        Attempt::Failed(SendError::replied(
+            stage,
+            Reply {
+                code,
+                text: text.into(),
+            },
+        ))
+    }
+
+    fn broke(stage: Stage) -> Attempt {
+        Attempt::Failed(SendError::broke(stage, "connection reset"))
+    }
+
+    fn decide_alone(attempt: &Attempt, row: Row) -> Decision {
+        decide(attempt, row, RelayView::default(), &policy(), 0.5)
+    }
+
+    fn action_name(a: &FinalAction) -> &'static str {
+        match a {
+            FinalAction::Sent => "sent",
+            FinalAction::Retry { .. } => "retry",
+            FinalAction::Failed { .. } => "failed",
+            FinalAction::Unknown { .. } => "unknown",
+            FinalAction::Release => "release",
+            FinalAction::Defer { .. } => "defer",
+        }
+    }
+
+    /// DESIGN §2's table: each case with the row's final state.
+    #[test]
+    fn the_failure_table() {
+        let down = RelaySignal::Down {
+            needs_operator: false,
+        };
+        let operator = RelaySignal::Down {
+            needs_operator: true,
+        };
+        let cases: Vec<(&str, Attempt, &str, RelaySignal)> = vec![
+            (
+                "250",
+                Attempt::Delivered(Delivered {
+                    code: 250,
+                    reply: "ok".into(),
+                }),
+                "sent",
+                RelaySignal::WentThrough,
+            ),
+            ("connection refused", broke(Stage::Connect), "release", down),
+            ("greeting timeout", broke(Stage::Greeting), "release", down),
+            ("TLS failure", broke(Stage::Tls), "release", operator),
+            (
+                "AUTH rejected",
+                replied(Stage::Auth, 535, "5.7.8 no"),
+                "release",
+                operator,
+            ),
+            (
+                "AUTH 454",
+                replied(Stage::Auth, 454, "4.7.0 later"),
+                "release",
+                down,
+            ),
+            (
+                "421 greeting",
+                replied(Stage::Greeting, 421, "busy"),
+                "release",
+                down,
+            ),
+            (
+                "4xx greeting",
+                replied(Stage::Greeting, 450, "busy"),
+                "release",
+                down,
+            ),
+            (
+                "554 greeting",
+                replied(Stage::Greeting, 554, "no service"),
+                "release",
+                down,
+            ),
+            (
+                "451 MAIL",
+                replied(Stage::MailFrom, 451, "later"),
+                "retry",
+                RelaySignal::Quiet,
+            ),
+            (
+                "450 RCPT",
+                replied(Stage::RcptTo, 450, "later"),
+                "retry",
+                RelaySignal::Quiet,
+            ),
+            (
+                "451 DATA",
+                replied(Stage::Data, 451, "later"),
+                "retry",
+                RelaySignal::Quiet,
+            ),
+            (
+                "451 after dot",
+                replied(Stage::AfterDot, 451, "later"),
+                "retry",
+                RelaySignal::Quiet,
+            ),
+            (
+                "drop at RCPT",
+                broke(Stage::RcptTo),
+                "retry",
+                RelaySignal::Quiet,
+            ),
+            (
+                "drop in the body",
+                broke(Stage::Body),
+                "retry",
+                RelaySignal::Quiet,
+            ),
+            (
+                "550 RCPT",
+                replied(Stage::RcptTo, 550, "unknown"),
+                "failed",
+                RelaySignal::Quiet,
+            ),
+            (
+                "554 after dot",
+                replied(Stage::AfterDot, 554, "spam"),
+                "failed",
+                RelaySignal::Quiet,
+            ),
+            (
+                "500 MAIL",
+                replied(Stage::MailFrom, 500, "no"),
+                "failed",
+                RelaySignal::Quiet,
+            ),
+            (
+                "drop after dot",
+                broke(Stage::AfterDot),
+                "retry",
+                RelaySignal::Quiet,
+            ),
+            (
+                "invalid address",
+                Attempt::Invalid(MailError::NoRecipient),
+                "failed",
+                RelaySignal::Quiet,
+            ),
+            ("expired", Attempt::Expired, "failed", RelaySignal::Quiet),
+            (
+                "relay paused",
+                Attempt::Held(Hold::RelayPaused),
+                "release",
+                RelaySignal::Quiet,
+            ),
+        ];
+        for (what, attempt, expected, signal) in cases {
+            let d = decide_alone(&attempt, row(4));
+            assert_eq!(action_name(&d.action), expected, "{what}");
+            assert_eq!(d.relay, signal, "{what}");
+        }
+    }
+
+    #[test]
+    fn transient_failures_fail_when_no_attempt_remains() {
+        let d = decide_alone(&replied(Stage::RcptTo, 451, "later"), row(0));
+        assert!(matches!(d.action, FinalAction::Failed { .. }), "{d:?}");
+        let d = decide_alone(&replied(Stage::RcptTo, 451, "later"), row(2));
+        match d.action {
+            // Third try: 1m doubled twice.
+            FinalAction::Retry { delay, error, .. } => {
+                assert_eq!(delay, Duration::from_secs(240));
+                assert_eq!(error, "RCPT TO: 451 later");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_lost_reply_after_the_dot_is_resent_or_held() {
+        let d = decide_alone(&broke(Stage::AfterDot), row(4));
+        assert!(matches!(d.action, FinalAction::Retry { .. }));
+        assert_eq!(d.logged, Logged::Ambiguous);
+        let hold = Policy {
+            ambiguous: Ambiguous::Hold,
+            ..policy()
+        };
+        let d = decide(
+            &broke(Stage::AfterDot),
+            row(4),
+            RelayView::default(),
+            &hold,
+            0.5,
+        );
+        assert!(matches!(d.action, FinalAction::Unknown { .. }));
+        // The last attempt's reply was lost: unknown, whatever the setting.
+        let d = decide_alone(&broke(Stage::AfterDot), row(0));
+        assert!(matches!(d.action, FinalAction::Unknown { .. }));
+    }
+
+    #[test]
+    fn a_send_cut_off_is_judged_by_the_stage_it_reached() {
+        for stage in [Stage::Connect, Stage::RcptTo, Stage::Data, Stage::Body] {
+            let cut = Attempt::CutOff {
+                stage,
+                by: CutOff::Shutdown,
+            };
+            assert_eq!(
+                decide_alone(&cut, row(4)).action,
+                FinalAction::Release,
+                "{stage:?}"
+            );
+        }
+        let after_dot = Attempt::CutOff {
+            stage: Stage::AfterDot,
+            by: CutOff::Shutdown,
+        };
+        let d = decide_alone(&after_dot, row(4));
+        assert!(matches!(d.action, FinalAction::Retry { .. }), "{d:?}");
+        assert_eq!(d.logged, Logged::Ambiguous);
+        let hold = Policy {
+            ambiguous: Ambiguous::Hold,
+            ..policy()
+        };
+        let d = decide(&after_dot, row(4), RelayView::default(), &hold, 0.5);
+        assert!(matches!(d.action, FinalAction::Unknown { .. }), "{d:?}");
+        // A crash before "." spends the attempt: a poison row cannot loop.
+        let crash = Attempt::CutOff {
+            stage: Stage::Body,
+            by: CutOff::Crash,
+        };
+        assert!(matches!(
+            decide_alone(&crash, row(4)).action,
+            FinalAction::Retry { .. }
+        ));
+        assert!(matches!(
+            decide_alone(&crash, row(0)).action,
+            FinalAction::Failed { .. }
+        ));
+    }
+
+    #[test]
+    fn one_row_that_keeps_drawing_421_is_deferred_then_spends() {
+        let others = RelayView {
+            others_went_through: true,
+            refusals_in_a_row: 0,
+        };
+        let refusal = replied(Stage::RcptTo, 421, "4.7.0 try later");
+        for count in 0..3 {
+            let r = Row {
+                relay_down_count: count,
+                ..row(4)
+            };
+            let d = decide(&refusal, r, others, &policy(), 0.5);
+            match &d.action {
+                FinalAction::Defer {
+                    delay,
+                    counted: true,
+                    error,
+                } => {
+                    assert_eq!(*delay, Duration::from_secs(60) * (1 << count));
+                    assert!(error.starts_with("RCPT TO: 421 4.7.0"), "{error}");
+                }
+                other => panic!("deferral {count}: {other:?}"),
+            }
+            assert_eq!(d.relay, RelaySignal::Quiet, "others go through: no pause");
+        }
+        let r = Row {
+            relay_down_count: 3,
+            ..row(4)
+        };
+        let d = decide(&refusal, r, others, &policy(), 0.5);
+        assert!(
+            matches!(
+                d.action,
+                FinalAction::Retry {
+                    relay_down: true,
+                    ..
+                }
+            ),
+            "{d:?}"
+        );
+        let r = Row {
+            relay_down_count: 5,
+            ..row(0)
+        };
+        let d = decide(&refusal, r, others, &policy(), 0.5);
+        assert!(matches!(d.action, FinalAction::Failed { .. }), "{d:?}");
+    }
+
+    #[test]
+    fn refusals_of_several_mails_in_a_row_pause_the_relay() {
+        let refusal = replied(Stage::MailFrom, 421, "4.3.2 too busy");
+        let first = decide(&refusal, row(4), RelayView::default(), &policy(), 0.5);
+        assert!(
+            matches!(first.action, FinalAction::Defer { counted: false, .. }),
+            "the first is moved out of the way, not blamed: {first:?}"
+        );
+        assert_eq!(first.relay, RelaySignal::Quiet);
+        let view = RelayView {
+            others_went_through: false,
+            refusals_in_a_row: 1,
+        };
+        let second = decide(&refusal, row(4), view, &policy(), 0.5);
+        assert_eq!(second.action, FinalAction::Release);
+        assert_eq!(
+            second.relay,
+            RelaySignal::Down {
+                needs_operator: false
+            }
+        );
+        // A refused connection is never one row's fault.
+        let view = RelayView {
+            others_went_through: true,
+            refusals_in_a_row: 0,
+        };
+        let d = decide(&broke(Stage::Connect), row(4), view, &policy(), 0.5);
+        assert_eq!(d.action, FinalAction::Release);
+    }
+
+    #[test]
+    fn a_configuration_fault_never_burns_a_mail() {
+        let d = decide_alone(&Attempt::Invalid(MailError::NoSender), row(0));
+        assert!(
+            matches!(d.action, FinalAction::Defer { counted: false, .. }),
+            "{d:?}"
+        );
+        assert_eq!(d.relay, RelaySignal::ConfigFault);
+    }
+
+    #[test]
+    fn throttled_domains_defer_without_spending() {
+        let held = Attempt::Held(Hold::DomainThrottled {
+            domain: "example.org".into(),
+            wait: Duration::from_secs(2),
+        });
+        match decide_alone(&held, row(4)).action {
+            FinalAction::Defer {
+                delay,
+                counted: false,
+                error,
+            } => {
+                assert_eq!(delay, Duration::from_secs(2));
+                assert_eq!(error, "deferred: example.org asked to slow down");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn failures_are_counted_by_stage_and_code_or_kind() {
+        let cases = [
+            ("RCPT TO: 550 5.1.1 <***@x.org>: unknown", "RCPT TO 550"),
+            ("end of data: 554 5.7.1 spam", "end of data 554"),
+            ("MAIL FROM: 451 4.3.0 try later", "MAIL FROM 451"),
+            (
+                "RCPT TO: 421 4.7.0 later (deferred: 1 of 3 while other mails went through)",
+                "RCPT TO 421",
+            ),
+            ("expired", "expired"),
+            (
+                "no reply after end of data: timed out after 10m",
+                "no reply after \".\"",
+            ),
+            (
+                "lock expired: the worker stopped during the last attempt",
+                "worker lost",
+            ),
+            (
+                "DATA: connection lost before end of data: reset",
+                "connection lost",
+            ),
+            (
+                "deferred: example.org asked to slow down",
+                "domain throttled",
+            ),
+            ("invalid address in to_address: …", "invalid mail"),
+            ("CR or LF in subject", "invalid mail"),
+        ];
+        for (error, kind) in cases {
+            assert_eq!(failure_kind(error), kind, "{error}");
+        }
+        // What the SMTP client writes is what status reads.
+        let e = SendError::replied(
+            Stage::RcptTo,
+            Reply {
+                code: 550,
+                text: "unknown".into(),
+            },
+        );
+        assert_eq!(failure_kind(&e.to_string()), "RCPT TO 550");
+    }
+}

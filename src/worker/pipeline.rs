@@ -1,0 +1,595 @@
+//! The pipeline, the same whether the daemon runs it or a test drives one
+//! batch through it: claimed rows wait in a [`JobQueue`]; `lanes` (one per
+//! `worker.concurrency`) each own an SMTP session and send the mails one
+//! after the other, the next mail's envelope riding along with the current
+//! one's end of data; the [`finalize`](Worker::finalize_loop) step writes the
+//! outcomes that are ready in one fenced statement (group commit), retrying
+//! the write, never the send.
+//!
+//! Stopping: no new claims, queued rows go back unspent, sends in flight get
+//! `worker.shutdown_timeout`; after that they are cut off and judged by the
+//! stage they reached (after "." is ambiguous, before it is released).
+
+use std::{
+    collections::VecDeque,
+    panic::AssertUnwindSafe,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use futures_util::FutureExt;
+use tokio::{
+    sync::{mpsc, Notify},
+    task::JoinSet,
+    time::Instant,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    mail::{self, PreparedMail},
+    smtp::{Outgoing, Session},
+    store::{FinalAction, Finalize, QueuedMail, StoreError},
+    telemetry::redact_addresses,
+};
+
+use super::{
+    outcome::{self, Attempt, CutOff, Decision, Hold, RelaySignal, Row},
+    retry, BatchReport, Worker,
+};
+
+/// How long the finalizer waits for more outcomes before writing a group.
+const FINALIZE_LINGER: Duration = Duration::from_millis(5);
+/// Most outcomes in one statement.
+const MAX_GROUP: usize = 1000;
+
+/// Claimed rows in claim order, shared by the lanes.
+#[derive(Default)]
+pub(super) struct JobQueue {
+    jobs: Mutex<VecDeque<QueuedMail>>,
+    ready: Notify,
+    /// No more rows will come: lanes stop once it is empty.
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl JobQueue {
+    pub(super) fn push(&self, mails: impl IntoIterator<Item = QueuedMail>) {
+        self.jobs.lock().unwrap().extend(mails);
+        self.ready.notify_waiters();
+    }
+
+    fn pop(&self) -> Option<QueuedMail> {
+        self.jobs.lock().unwrap().pop_front()
+    }
+
+    pub(super) fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.ready.notify_waiters();
+    }
+
+    /// Everything still queued, taken out.
+    pub(super) fn drain(&self) -> Vec<QueuedMail> {
+        self.jobs.lock().unwrap().drain(..).collect()
+    }
+
+    /// The next row, waiting for one; `None` once `stop` fires, or the queue
+    /// is closed and empty.
+    async fn next(&self, stop: &CancellationToken) -> Option<QueuedMail> {
+        loop {
+            let notified = self.ready.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if stop.is_cancelled() {
+                return None;
+            }
+            if let Some(job) = self.pop() {
+                return Some(job);
+            }
+            if self.closed.load(std::sync::atomic::Ordering::Relaxed) {
+                return None;
+            }
+            tokio::select! {
+                _ = stop.cancelled() => return None,
+                _ = notified => {}
+            }
+        }
+    }
+}
+
+/// A claimed row with its message built, or the reason it cannot be.
+pub(super) struct Ready {
+    mail: QueuedMail,
+    prepared: Result<PreparedMail, Attempt>,
+}
+
+impl Ready {
+    fn outgoing(&self) -> Option<Outgoing<'_>> {
+        self.prepared.as_ref().ok().map(|p| Outgoing {
+            id: self.mail.id,
+            envelope: &p.envelope,
+            content: &p.bytes,
+        })
+    }
+}
+
+/// One mail's fate, on its way to the group commit.
+pub(super) struct Done {
+    pub(super) id: i64,
+    pub(super) lock: crate::store::BatchLock,
+    /// The attempt number (this one included).
+    pub(super) attempt: i32,
+    pub(super) decision: Decision,
+    pub(super) smtp_code: Option<u16>,
+    /// The relay's reply to ".", for the log line.
+    pub(super) reply: Option<String>,
+    /// How long the SMTP transaction took, if there was one.
+    pub(super) send_time: Option<Duration>,
+    /// Recipient domains, for the log line (never the full address).
+    pub(super) domains: String,
+}
+
+/// The signals that stop a pipeline.
+#[derive(Clone, Default)]
+pub(super) struct Stop {
+    /// Take no new rows.
+    pub(super) taking: CancellationToken,
+    /// Cut off the sends in flight.
+    pub(super) sending: CancellationToken,
+}
+
+impl Worker {
+    /// Sends claimed rows from `queue` until it is closed and empty, or
+    /// `stop.taking` fires (the rows then still queued go back unsent).
+    pub(super) async fn lane(
+        self: Arc<Self>,
+        queue: Arc<JobQueue>,
+        results: mpsc::UnboundedSender<Done>,
+        stop: Stop,
+    ) {
+        let mut session: Option<Session> = None;
+        let mut current: Option<Ready> = None;
+        loop {
+            let ready = match current.take() {
+                Some(ready) => ready,
+                None => {
+                    let job = match queue.pop() {
+                        Some(job) => job,
+                        None => {
+                            // Idle: the connection goes back to the pool.
+                            if let Some(s) = session.take() {
+                                self.transport.recycle(s).await;
+                            }
+                            match queue.next(&stop.taking).await {
+                                Some(job) => job,
+                                None => break,
+                            }
+                        }
+                    };
+                    self.ready(job)
+                }
+            };
+            if stop.taking.is_cancelled() {
+                // Stopping: nothing new goes out.
+                let done = self.judge(&ready, Attempt::Held(Hold::ShuttingDown), None, 0);
+                let _ = results.send(done);
+                continue;
+            }
+            let next = queue.pop().map(|job| self.ready(job));
+            let session = session.get_or_insert_with(|| self.transport.session());
+            let since = self.relay.successes();
+            let started = std::time::Instant::now();
+            let sending = AssertUnwindSafe(self.attempt(
+                &ready,
+                next.as_ref().and_then(Ready::outgoing),
+                session,
+            ))
+            .catch_unwind();
+            let attempt = tokio::select! {
+                attempt = sending => Some(attempt),
+                _ = stop.sending.cancelled() => None,
+            };
+            let attempt = match attempt {
+                Some(Ok(attempt)) => attempt,
+                Some(Err(panic)) => {
+                    let stage = session.cut_off();
+                    tracing::error!(
+                        mail_id = ready.mail.id,
+                        panic = panic_text(&panic),
+                        stage = %stage,
+                        "sender crashed"
+                    );
+                    Attempt::CutOff {
+                        stage,
+                        by: CutOff::Crash,
+                    }
+                }
+                None => Attempt::CutOff {
+                    stage: session.cut_off(),
+                    by: CutOff::Shutdown,
+                },
+            };
+            let send_time = match &attempt {
+                Attempt::Delivered(_) | Attempt::Failed(_) | Attempt::CutOff { .. } => {
+                    Some(started.elapsed())
+                }
+                _ => None,
+            };
+            let done = self.judge(&ready, attempt, send_time, since);
+            let _ = results.send(done);
+            if stop.sending.is_cancelled() {
+                // Cut off: whatever rode along is released with the queue.
+                if let Some(next) = next {
+                    let done = self.judge(&next, Attempt::Held(Hold::ShuttingDown), None, 0);
+                    let _ = results.send(done);
+                }
+                break;
+            }
+            current = next;
+        }
+        if let Some(s) = session.take() {
+            self.transport.recycle(s).await;
+        }
+    }
+
+    /// Builds a row's message, or finds it cannot be sent.
+    fn ready(&self, mail: QueuedMail) -> Ready {
+        let prepared = if mail.expired {
+            Err(Attempt::Expired)
+        } else {
+            mail::prepare(&mail, &self.defaults).map_err(Attempt::Invalid)
+        };
+        Ready { mail, prepared }
+    }
+
+    /// How far one mail gets: held back, or sent through `session`.
+    async fn attempt(
+        &self,
+        ready: &Ready,
+        next: Option<Outgoing<'_>>,
+        session: &mut Session,
+    ) -> Attempt {
+        let prepared = match &ready.prepared {
+            Ok(prepared) => prepared,
+            Err(attempt) => return attempt.clone(),
+        };
+        if self.relay.paused_for().is_some() {
+            return Attempt::Held(Hold::RelayPaused);
+        }
+        if let Some((domain, wait)) = self.throttles.paused(prepared.domains()) {
+            return Attempt::Held(Hold::DomainThrottled { domain, wait });
+        }
+        self.pace.turn().await;
+        let outgoing = ready.outgoing().expect("prepared");
+        match self.transport.send(session, outgoing, next).await {
+            Ok(delivered) => Attempt::Delivered(delivered),
+            Err(e) => Attempt::Failed(e),
+        }
+    }
+
+    /// Decides a mail's fate and applies what it tells about the relay.
+    fn judge(
+        &self,
+        ready: &Ready,
+        attempt: Attempt,
+        send_time: Option<Duration>,
+        since: u64,
+    ) -> Done {
+        let mail = &ready.mail;
+        let domains: &[String] = match &ready.prepared {
+            Ok(prepared) => &prepared.recipient_domains,
+            Err(_) => &[],
+        };
+        let domain_names = || domains.iter().map(String::as_str);
+        let refused_mid_transaction = matches!(&attempt, Attempt::Failed(e)
+            if e.stage.in_transaction() && outcome::classify(e) == outcome::Class::RelayDown);
+        let view = if refused_mid_transaction {
+            self.relay.refusal(since)
+        } else {
+            self.relay.view(since)
+        };
+        let row = Row {
+            attempts: mail.attempts,
+            attempts_remaining: mail.attempts_remaining,
+            relay_down_count: mail.relay_down_count,
+        };
+        let decision = outcome::decide(&attempt, row, view, &self.policy, retry::jitter());
+        let (mut smtp_code, mut reply) = (None, None);
+        match &attempt {
+            Attempt::Delivered(d) => {
+                smtp_code = Some(d.code);
+                reply = Some(d.reply.clone());
+                self.throttles.went_through(domain_names());
+                self.pace.went_through();
+            }
+            Attempt::Failed(e) => {
+                smtp_code = e.code();
+                if e.is_throttling() && e.stage.in_transaction() {
+                    let whole_relay = self.throttles.throttled(domain_names());
+                    if whole_relay {
+                        self.pace.throttled();
+                    }
+                }
+            }
+            _ => {}
+        }
+        match decision.relay {
+            RelaySignal::WentThrough => self.relay_went_through(),
+            RelaySignal::Down { needs_operator } => {
+                let Attempt::Failed(e) = &attempt else {
+                    unreachable!("only a failed send says the relay is down")
+                };
+                let reason = redact_addresses(&e.to_string());
+                self.relay
+                    .trip(&reason, needs_operator, !e.stage.in_transaction(), e.code());
+                self.metrics.relay_down(&reason);
+            }
+            RelaySignal::ConfigFault => tracing::error!(
+                mail_id = mail.id,
+                error = %mail::MailError::NoSender,
+                "configuration fault: mail waits until defaults.from_address is set"
+            ),
+            RelaySignal::Quiet => {}
+        }
+        Done {
+            id: mail.id,
+            lock: mail.lock,
+            attempt: mail.attempts,
+            decision,
+            smtp_code,
+            reply,
+            send_time,
+            domains: domains.join(","),
+        }
+    }
+
+    /// Group commit: writes every outcome that is ready in one statement.
+    /// A database error is retried (the commit, never the send) until it
+    /// succeeds or `give_up` fires. Returns what was written.
+    pub(super) async fn finalize_loop(
+        self: Arc<Self>,
+        mut input: mpsc::UnboundedReceiver<Done>,
+        give_up: CancellationToken,
+    ) -> BatchReport {
+        // Under load, wait a moment for a fuller group: each statement and
+        // commit costs the database far more than one more row in it.
+        let fill = self.settings.batch_size;
+        let mut report = BatchReport::default();
+        let mut group = Vec::with_capacity(MAX_GROUP);
+        while input.recv_many(&mut group, MAX_GROUP).await > 0 {
+            if group.len() < fill {
+                let deadline = Instant::now() + FINALIZE_LINGER;
+                while group.len() < fill {
+                    match tokio::time::timeout_at(deadline, input.recv_many(&mut group, MAX_GROUP))
+                        .await
+                    {
+                        Ok(n) if n > 0 => {}
+                        _ => break,
+                    }
+                }
+            }
+            let mut failures = 0u32;
+            loop {
+                match self.commit(&group).await {
+                    Ok(written) => {
+                        for (done, written) in group.iter().zip(written) {
+                            report.add(&done.decision.action, written);
+                        }
+                        break;
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        let pause = retry::relay_pause(failures, retry::jitter())
+                            .min(Duration::from_secs(10));
+                        tracing::error!(error = %e, rows = group.len(), retry_in_ms = pause.as_millis() as u64,
+                            "database unavailable: outcome not written yet");
+                        tokio::select! {
+                            _ = give_up.cancelled() => return report,
+                            _ = tokio::time::sleep(pause) => {}
+                        }
+                    }
+                }
+            }
+            group.clear();
+            // Room for the claimer.
+            self.freed.notify_one();
+        }
+        report
+    }
+
+    /// Writes outcomes in one fenced statement and logs each. Returns, per
+    /// outcome, whether it was written (false: the lock had been taken away).
+    async fn commit(&self, group: &[Done]) -> Result<Vec<bool>, StoreError> {
+        if group.is_empty() {
+            return Ok(Vec::new());
+        }
+        let writes: Vec<Finalize> = group
+            .iter()
+            .map(|d| Finalize {
+                id: d.id,
+                lock: d.lock,
+                action: d.decision.action.clone(),
+            })
+            .collect();
+        let written = self.store.finalize(&writes).await?;
+        self.database_answered();
+        self.held.remove(group.iter().map(|d| d.id));
+        let written: std::collections::HashSet<i64> = written.into_iter().collect();
+        Ok(group
+            .iter()
+            .map(|d| {
+                let ok = written.contains(&d.id);
+                log_outcome(d, ok);
+                self.metrics
+                    .record(if ok { Some(d.decision.logged) } else { None }, d.send_time);
+                ok
+            })
+            .collect())
+    }
+
+    /// Runs the lanes and the finalizer on `queue` while `feed` fills it,
+    /// then drains: if `stop.taking` fired, rows never started go back at
+    /// once and sends in flight get `shutdown` to finish before they are cut
+    /// off; otherwise the lanes empty the queue. Every outcome is committed,
+    /// and whatever is still held at the end is released.
+    pub(super) async fn drain(
+        self: &Arc<Self>,
+        queue: Arc<JobQueue>,
+        lanes: usize,
+        stop: Stop,
+        feed: impl std::future::Future<Output = ()>,
+        shutdown: Duration,
+    ) -> BatchReport {
+        let renewal = CancellationToken::new();
+        let renewing = tokio::spawn(self.clone().renew_locks(renewal.clone()));
+        let (results, finalizer_input) = mpsc::unbounded_channel();
+        let give_up = CancellationToken::new();
+        let mut finalizer =
+            tokio::spawn(self.clone().finalize_loop(finalizer_input, give_up.clone()));
+        let mut senders = JoinSet::new();
+        for _ in 0..lanes {
+            senders.spawn(
+                self.clone()
+                    .lane(queue.clone(), results.clone(), stop.clone()),
+            );
+        }
+        feed.await;
+        queue.close();
+        let stopping = stop.taking.is_cancelled();
+        if stopping {
+            // Rows never started go back at once.
+            for mail in queue.drain() {
+                let ready = self.ready(mail);
+                let _ =
+                    results.send(self.judge(&ready, Attempt::Held(Hold::ShuttingDown), None, 0));
+            }
+            tracing::info!(in_flight = self.held.len(), "shutting down: draining");
+        }
+        let deadline = Instant::now() + shutdown;
+        loop {
+            tokio::select! {
+                next = senders.join_next() => if next.is_none() { break },
+                _ = tokio::time::sleep_until(deadline), if stopping && !stop.sending.is_cancelled() => {
+                    tracing::warn!(interrupted = senders.len(), "shutdown timeout: interrupting sends");
+                    stop.sending.cancel();
+                }
+            }
+        }
+        drop(results);
+        // When stopping, the finalizer gets a bounded time to retry a failing
+        // database; otherwise it keeps at it until the database answers.
+        let report = if stopping {
+            let limit = deadline.max(Instant::now()) + Duration::from_secs(10);
+            match tokio::time::timeout_at(limit, &mut finalizer).await {
+                Ok(report) => report,
+                Err(_) => {
+                    give_up.cancel();
+                    finalizer.await
+                }
+            }
+        } else {
+            finalizer.await
+        }
+        .expect("the finalizer does not panic");
+        if !self.held.is_empty() {
+            self.release_remaining().await;
+        }
+        renewal.cancel();
+        let _ = renewing.await;
+        report
+    }
+
+    /// After the drain: rows still held (their outcome could not be written)
+    /// go back to `queued` with their attempt refunded.
+    async fn release_remaining(&self) {
+        let rows = self.held.all();
+        let writes: Vec<Finalize> = rows
+            .iter()
+            .map(|(id, lock)| Finalize {
+                id: *id,
+                lock: *lock,
+                action: FinalAction::Release,
+            })
+            .collect();
+        for attempt in 1..=3u32 {
+            match self.store.finalize(&writes).await {
+                Ok(done) => {
+                    tracing::info!(
+                        count = done.len(),
+                        outcome = "released",
+                        "unsent mails released"
+                    );
+                    self.held.remove(rows.iter().map(|(id, _)| *id));
+                    return;
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, attempt, "could not release unsent mails");
+                    tokio::time::sleep(Duration::from_millis(500 * attempt as u64)).await;
+                }
+            }
+        }
+        tracing::error!(
+            count = rows.len(),
+            "database unavailable at shutdown: mails stay locked; any daemon releases them after worker.lock_timeout"
+        );
+    }
+}
+
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+fn log_outcome(d: &Done, written: bool) {
+    let (id, lock, attempt) = (d.id, d.lock.to_string(), d.attempt);
+    if !written {
+        tracing::warn!(
+            mail_id = id,
+            lock,
+            attempt,
+            "mail lock lost: outcome not written"
+        );
+        return;
+    }
+    let outcome = d.decision.logged.as_str();
+    let smtp_code = d.smtp_code;
+    let elapsed_ms = d.send_time.map(|t| t.as_millis() as u64);
+    let domain = d.domains.as_str();
+    match &d.decision.action {
+        FinalAction::Sent => {
+            let reply = d.reply.as_deref().map(redact_addresses);
+            tracing::info!(
+                mail_id = id,
+                lock,
+                attempt,
+                outcome,
+                smtp_code,
+                elapsed_ms,
+                domain,
+                reply,
+                "mail sent"
+            )
+        }
+        FinalAction::Retry { delay, error, .. } => {
+            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
+                retry_in_ms = delay.as_millis() as u64, error = %redact_addresses(error), "mail retry scheduled")
+        }
+        FinalAction::Defer { delay, error, .. } => {
+            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
+                retry_in_ms = delay.as_millis() as u64, error = %redact_addresses(error), "mail deferred")
+        }
+        FinalAction::Failed { error, .. } => {
+            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
+                error = %redact_addresses(error), "mail failed")
+        }
+        FinalAction::Unknown { error } => {
+            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
+                error = %redact_addresses(error), "mail held as unknown")
+        }
+        FinalAction::Release => {
+            tracing::info!(mail_id = id, lock, attempt, outcome, "mail released")
+        }
+    }
+}
