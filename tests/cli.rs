@@ -114,7 +114,8 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
             "headers",
             "message_id",
             "dedupe_key",
-            "last_error"
+            "last_error",
+            "relay_down_count"
         ]
     );
     // The checks refuse what the life cycle never produces.

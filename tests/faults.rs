@@ -78,40 +78,54 @@ async fn hard_rejects_are_permanent(db: TestDb) {
 }
 
 async fn relay_unavailable_refunds_the_attempt(db: TestDb) {
-    // 421 before, during and after the transaction; a 4xx greeting.
-    for flags in [
-        ["-Q", "MAIL"],
-        ["-Q", "RCPT"],
-        ["-Q", "."],
-        ["-r", "CONNECT"],
+    // A 421 to MAIL, RCPT or ".", or a 4xx greeting, for two mails to two
+    // domains (a 421 slows its own domain first), while nothing goes through.
+    for (flags, mid_transaction) in [
+        (["-Q", "MAIL"], true),
+        (["-Q", "RCPT"], true),
+        (["-Q", "."], true),
+        (["-r", "CONNECT"], false),
     ] {
         let sink = SmtpSink::start(&flags);
         let worker = worker(&db, &settings(&db, &sink.url()));
-        let id = one(&db, "a@example.com").await;
+        let ids = [
+            one(&db, "a@example.com").await,
+            one(&db, "b@example.org").await,
+        ];
         let report = worker.process_batch().await.unwrap();
-        assert_eq!(report.released, 1, "{flags:?}");
-        let row = db.row(id).await;
-        assert_eq!(row.status, "queued", "{flags:?}");
-        assert!(
-            !row.scheduled && !row.locked,
-            "{flags:?}: due again at once"
-        );
-        assert_eq!(
-            (row.attempts, row.attempts_remaining),
-            (0, 5),
-            "{flags:?}: refunded"
-        );
+        let mut scheduled = 0;
+        for id in ids {
+            let row = db.row(id).await;
+            assert_eq!(row.status, "queued", "{flags:?}");
+            assert!(!row.locked, "{flags:?}");
+            assert_eq!(
+                (row.attempts, row.attempts_remaining, row.relay_down_count),
+                (0, 5, 0),
+                "{flags:?}: refunded, and not blamed on the row"
+            );
+            scheduled += usize::from(row.scheduled);
+        }
+        if mid_transaction {
+            // The first refusal moves its row out of the way; the second,
+            // with nothing gone through between, is the relay's: pause.
+            assert_eq!((report.deferred, report.released), (1, 1), "{flags:?}");
+            assert_eq!(scheduled, 1, "{flags:?}");
+        } else {
+            // A relay that refuses the connection is never one row's fault.
+            assert_eq!((report.deferred, report.released), (0, 2), "{flags:?}");
+            assert_eq!(scheduled, 0, "{flags:?}: due again at once");
+        }
         assert!(
             worker.relay().paused_for().is_some(),
             "{flags:?}: the worker pauses"
         );
-        // While paused, nothing is attempted and nothing is spent.
-        worker.process_batch().await.unwrap();
-        assert_eq!(db.row(id).await.attempts, 0);
-        db.exec(&format!(
-            "UPDATE mail_queue SET status = 'cancelled' WHERE id = {id}"
-        ))
-        .await;
+        // While paused, nothing is claimed, attempted or spent.
+        db.make_due().await;
+        assert_eq!(worker.process_batch().await.unwrap().claimed, 0);
+        for id in ids {
+            assert_eq!(db.row(id).await.attempts, 0);
+        }
+        db.exec("UPDATE mail_queue SET status = 'cancelled'").await;
     }
 }
 

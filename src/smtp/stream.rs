@@ -31,11 +31,13 @@ use tokio::{
 pub(super) fn tune(tcp: &TcpStream, timeout: Duration) -> io::Result<()> {
     tcp.set_nodelay(true)?;
     let socket = socket2::SockRef::from(tcp);
-    let idle = (timeout / 2).max(Duration::from_secs(1));
+    // The kernel counts keepalive times in whole seconds, at least one.
+    let seconds = |d: Duration| Duration::from_secs(d.as_secs().max(1));
+    let idle = seconds(timeout / 2);
     socket.set_tcp_keepalive(
         &socket2::TcpKeepalive::new()
             .with_time(idle)
-            .with_interval(idle / 3)
+            .with_interval(seconds(idle / 3))
             .with_retries(3),
     )?;
     socket.set_tcp_user_timeout(Some(timeout))
