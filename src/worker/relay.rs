@@ -20,6 +20,9 @@ use super::{outcome::RelayView, retry};
 
 /// A success this recent says the relay works.
 const RECENT: Duration = Duration::from_secs(5);
+/// The longest pause after refusals mid-transaction (connection failures
+/// back off up to a minute).
+const MAX_REFUSAL_PAUSE: Duration = Duration::from_secs(8);
 
 #[derive(Debug)]
 pub struct RelayGate {
@@ -143,7 +146,12 @@ impl RelayGate {
         state.probe_first = probe_first;
         state.reason = Some(reason.to_string());
         self.troubled.store(true, Ordering::Relaxed);
-        let pause = retry::relay_pause(state.failures, retry::jitter());
+        let mut pause = retry::relay_pause(state.failures, retry::jitter());
+        if !probe_first {
+            // Refusals in the middle of transactions are often throttling
+            // that ends by itself: look again soon, with real mail.
+            pause = pause.min(MAX_REFUSAL_PAUSE);
+        }
         state.paused_until = Some(now + pause);
         let pause_ms = pause.as_millis() as u64;
         if needs_operator {

@@ -2,6 +2,8 @@
 //! to both, and polling with a deadline.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::{
     future::Future,
     io::{BufRead, BufReader},
@@ -364,6 +366,11 @@ impl TestDb {
             self.now()
         ))
         .await;
+    }
+
+    /// The database's name on its server.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// Environment for the binary to use this database.

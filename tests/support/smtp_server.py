@@ -8,6 +8,8 @@ to --out + ".attempts".
 Faults are chosen per mail by the local part of a recipient, so one server
 serves every case of a test:
   rcpt451-*   RCPT is answered 451        rcpt550-*   RCPT is answered 550
+  rcpt421-*   RCPT is answered 421 4.7.0 (this recipient only: a relay-down
+              outcome that one row keeps drawing)
   throttle-*  RCPT is answered 451 4.7.1 (the relay's rate limit)
   data451-*   end of data answered 451    data554-*   end of data answered 554
   flaky-*     end of data answered 451 the first time a Message-ID is seen
@@ -15,7 +17,9 @@ serves every case of a test:
               (the mail is recorded as received: the relay "has" it)
   slow-*      the reply to end of data waits --slow seconds
 Server-wide options: --auth USER:PASS (AUTH required), --tls CERT KEY (offer
-STARTTLS), --implicit-tls CERT KEY (TLS from the first byte).
+STARTTLS), --implicit-tls CERT KEY (TLS from the first byte), --throttle-file
+PATH (while PATH exists, every RCPT is answered 421 4.7.0: the whole relay
+throttles).
 
 Prints "PORT <n>" on stdout once it listens.
 """
@@ -24,6 +28,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import ssl
 import sys
 import time
@@ -42,9 +47,10 @@ def rule_of(rcpts):
 
 
 class Recorder:
-    def __init__(self, out, slow):
+    def __init__(self, out, slow, throttle_file):
         self.out = out
         self.slow = slow
+        self.throttle_file = throttle_file
         self.seen_ids = set()
 
     def append(self, path, envelope):
@@ -59,6 +65,10 @@ class Recorder:
 
     async def handle_RCPT(self, server, session, envelope, address, rcpt_options):
         local = address.split("@", 1)[0].lower()
+        if self.throttle_file and os.path.exists(self.throttle_file):
+            return "421 4.7.0 Too many messages, slow down"
+        if local.startswith("rcpt421"):
+            return "421 4.7.0 Try again later"
         if local.startswith("rcpt451"):
             return "451 4.3.0 Mailbox busy, try later"
         if local.startswith("throttle"):
@@ -113,12 +123,13 @@ def main():
     p.add_argument("--auth")
     p.add_argument("--tls", nargs=2)
     p.add_argument("--implicit-tls", nargs=2)
+    p.add_argument("--throttle-file")
     args = p.parse_args()
     # Failed handshakes and rejected logins are what the tests provoke.
     logging.getLogger("mail.log").setLevel(logging.CRITICAL)
     warnings.simplefilter("ignore")
 
-    recorder = Recorder(args.out, args.slow)
+    recorder = Recorder(args.out, args.slow, args.throttle_file)
     open(args.out, "a").close()
     open(args.out + ".attempts", "a").close()
 
