@@ -89,8 +89,11 @@ SELECT id, priority, attempts, attempts_remaining, relay_down_count, from_name, 
 FROM mail_queue WHERE id IN
 "#;
 
-const OWNED: &str = r#"
-SELECT id, thread_lock FROM mail_queue WHERE status = 'sending' AND id IN
+/// Locks rows through the primary key only, in id order: a secondary index
+/// (say `status, locked_at`) would lock its own entries first, in its own
+/// order, and deadlock with a statement that holds the rows.
+const LOCK_BY_ID: &str = r#"
+SELECT id, status, thread_lock FROM mail_queue FORCE INDEX (PRIMARY) WHERE id IN
 "#;
 
 const FINALIZE: &str = r#"
@@ -128,10 +131,6 @@ UPDATE mail_queue AS m
 JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$.id', lk VARCHAR(36) PATH '$.lock')) AS h
   ON m.id = h.id AND m.thread_lock = h.lk AND m.status = 'sending'
 SET m.locked_at = UTC_TIMESTAMP(6)
-"#;
-
-const RENEW_LOCK_ROWS: &str = r#"
-SELECT id FROM mail_queue WHERE id IN
 "#;
 
 const PICK_STALE: &str = r#"
@@ -209,6 +208,20 @@ LIMIT ?
 
 const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = ?";
 
+/// Locks these rows (sorted ids) in id order through the primary key, and
+/// reads their id, status and lock.
+async fn lock_by_id(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    ids: &[i64],
+) -> Result<Vec<sqlx::mysql::MySqlRow>, sqlx::Error> {
+    let sql = format!("{LOCK_BY_ID}{} ORDER BY id FOR UPDATE", in_list(ids.len()));
+    let mut query = sqlx::query(AssertSqlSafe(sql));
+    for id in ids {
+        query = query.bind(*id);
+    }
+    query.fetch_all(&mut **tx).await
+}
+
 #[async_trait]
 impl Store for MySqlStore {
     fn backend(&self) -> Backend {
@@ -280,16 +293,16 @@ impl Store for MySqlStore {
                     let mut tx = c.begin().await?;
                     // Lock the rows first, in id order, and see which are
                     // still ours (MariaDB's UPDATE reports no row ids).
-                    let sql = format!("{OWNED}{} ORDER BY id FOR UPDATE", in_list(ids.len()));
-                    let mut owned = sqlx::query(AssertSqlSafe(sql));
-                    for id in &ids {
-                        owned = owned.bind(*id);
-                    }
                     let mut written = Vec::with_capacity(ids.len());
-                    for row in owned.fetch_all(&mut *tx).await? {
-                        let (id, lock): (i64, Option<String>) =
-                            (row.try_get("id")?, row.try_get("thread_lock")?);
-                        if lock.is_some_and(|l| expected.get(&id) == Some(&l)) {
+                    for row in lock_by_id(&mut tx, &ids).await? {
+                        let (id, status, lock): (i64, String, Option<String>) = (
+                            row.try_get("id")?,
+                            row.try_get("status")?,
+                            row.try_get("thread_lock")?,
+                        );
+                        if status == "sending"
+                            && lock.is_some_and(|l| expected.get(&id) == Some(&l))
+                        {
                             written.push(id);
                         }
                     }
@@ -315,15 +328,7 @@ impl Store for MySqlStore {
                 Box::pin(async move {
                     let mut tx = c.begin().await?;
                     // The same order as finalize: by id, through the primary key.
-                    let sql = format!(
-                        "{RENEW_LOCK_ROWS}{} AND status = 'sending' ORDER BY id FOR UPDATE",
-                        in_list(ids.len())
-                    );
-                    let mut lock_rows = sqlx::query(AssertSqlSafe(sql));
-                    for id in &ids {
-                        lock_rows = lock_rows.bind(*id);
-                    }
-                    lock_rows.fetch_all(&mut *tx).await?;
+                    lock_by_id(&mut tx, &ids).await?;
                     let done = sqlx::query(RENEW).bind(json).execute(&mut *tx).await?;
                     tx.commit().await?;
                     Ok(done.rows_affected())

@@ -3,13 +3,13 @@
 //! "451 4.7.1 Rate limit exceeded").
 //!
 //! A throttling reply slows the recipient domain that drew it: that domain
-//! pauses (1 s, 2 s, 4 s … up to 10 s while it keeps throttling), its mails
+//! pauses (1 s, 2 s, 4 s, up to 5 s while it keeps throttling), its mails
 //! are deferred meanwhile, and one success to it ends the pause. Only when
 //! throttling replies come one after the other with no success between them
 //! (the whole relay throttles) does the daemon's own pace back off, halving
 //! at most once a second; it then finds the relay's rate again the way TCP
-//! does after a loss: after a calm second it doubles every second, back to
-//! the pace it had (or the configured limit), within seconds of the
+//! does after a loss: after a calm second it doubles four times a second,
+//! back to the pace it had (or the configured limit), within seconds of the
 //! throttling ending.
 
 use std::{
@@ -27,8 +27,11 @@ use tokio::time::Instant;
 const MIN_RATE: f64 = 1.0;
 /// One halving per burst of throttling replies, and the calm before climbing.
 const STEP: Duration = Duration::from_secs(1);
+/// How often the pace doubles once calm: from the floor back to ~250 mails/s
+/// in two seconds.
+const CLIMB: Duration = Duration::from_millis(250);
 /// Longest pause of a throttled domain.
-const MAX_DOMAIN_PAUSE: Duration = Duration::from_secs(10);
+const MAX_DOMAIN_PAUSE: Duration = Duration::from_secs(5);
 /// Domains remembered at most (the oldest calm ones are forgotten first).
 const MAX_DOMAINS: usize = 10_000;
 
@@ -138,7 +141,7 @@ impl Pace {
     }
 
     /// A mail went through: after a calm second, double the pace every
-    /// second until it is back where it was.
+    /// quarter second until it is back where it was.
     pub fn went_through(&self) {
         if !self.limited.load(Ordering::Relaxed) {
             return;
@@ -150,7 +153,7 @@ impl Pace {
             return; // only the configured limit: nothing to recover
         };
         let now = Instant::now();
-        if now - last < STEP || now - state.last_step < STEP {
+        if now - last < STEP || now - state.last_step < CLIMB {
             return;
         }
         state.last_step = now;
@@ -310,11 +313,13 @@ mod tests {
             pace.throttled();
             assert_eq!(pace.limit(), Some(expected));
         }
-        // Calm: doubling every second, back to the configured 100/s.
+        // Calm for a second, then doubling every quarter second, back to
+        // the configured 100/s.
+        tokio::time::advance(STEP).await;
         for expected in [12.5, 25.0, 50.0, 100.0] {
-            tokio::time::advance(STEP).await;
             pace.went_through();
             assert_eq!(pace.limit(), Some(expected));
+            tokio::time::advance(CLIMB).await;
         }
     }
 
@@ -335,13 +340,15 @@ mod tests {
             pace.throttled();
         }
         assert_eq!(pace.limit(), Some(MIN_RATE));
-        // From 1/s back to unlimited (~200/s) in 8 calm seconds.
-        let mut seconds = 0;
+        // From 1/s back to unlimited (~200/s): a calm second, then eight
+        // doublings a quarter second apart.
+        tokio::time::advance(STEP).await;
+        let mut steps = 0;
         while pace.limit().is_some() {
-            tokio::time::advance(STEP).await;
             pace.went_through();
-            seconds += 1;
-            assert!(seconds <= 9, "still limited to {:?}", pace.limit());
+            tokio::time::advance(CLIMB).await;
+            steps += 1;
+            assert!(steps <= 8, "still limited to {:?}", pace.limit());
         }
     }
 

@@ -22,7 +22,7 @@ use super::{outcome::RelayView, retry};
 const RECENT: Duration = Duration::from_secs(5);
 /// The longest pause after refusals mid-transaction (connection failures
 /// back off up to a minute).
-const MAX_REFUSAL_PAUSE: Duration = Duration::from_secs(8);
+const MAX_REFUSAL_PAUSE: Duration = Duration::from_secs(4);
 
 #[derive(Debug)]
 pub struct RelayGate {

@@ -33,11 +33,8 @@ impl Proxy {
         let silenced_before = Arc::new(AtomicU64::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
         let graveyard = Arc::new(Mutex::new(Vec::new()));
-        let (silenced, count, graves) = (
-            silenced_before.clone(),
-            accepted.clone(),
-            graveyard.clone(),
-        );
+        let (silenced, count, graves) =
+            (silenced_before.clone(), accepted.clone(), graveyard.clone());
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
