@@ -463,3 +463,99 @@ async fn relay_wide_throttling_recovers_within_seconds_of_its_end() {
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(15)).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paced_daemon_holds_about_two_seconds_of_mail() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let sink = SmtpSink::start(&[]);
+    let mails: Vec<NewMail> = (0..300)
+        .map(|i| mail(&format!("u{i}@example.com"), "paced"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    let env = daemon_env(&db, &sink.url(), &[("TABLEMAIL__WORKER__RATE_LIMIT", "10")]);
+    let mut daemon = Daemon::start(env);
+    eventually("the first mails", Duration::from_secs(10), || async {
+        db.count("status = 'sent'").await >= 5
+    })
+    .await;
+    // Other daemons can take everything this one has not claimed: at 10
+    // mails a second it holds no more than 20, never whole batches of 100.
+    let mut most = 0;
+    for _ in 0..30 {
+        most = most.max(db.count("status = 'sending'").await);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!((1..=20).contains(&most), "held {most} rows at 10 mails/s");
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+    assert_eq!(db.count("status = 'sending'").await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_step_renews_its_locks_and_retries_its_commit() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    // The relay answers "." after 5 s; locks go stale after 3 s; the step
+    // reaches the database through a proxy that will go silent.
+    let smtp = SmtpServer::start(&["--slow", "5"]);
+    let mut s = settings(&db, &smtp.url());
+    s.worker.lock_timeout = Duration::from_secs(3);
+    s.transport.data_timeout = Duration::from_secs(20);
+    let pg_port = url_port(&db.url);
+    let db_proxy = Proxy::start(pg_port).await;
+    let proxied = db
+        .url
+        .replacen(&format!(":{pg_port}/"), &format!(":{}/", db_proxy.port), 1);
+    let options = tablemail::store::ConnectOptions {
+        max_connections: 4,
+        statement_timeout: Duration::from_secs(2),
+    };
+    let store = tablemail::store::connect_with(&proxied, options)
+        .await
+        .unwrap();
+    let worker = tablemail::worker::Worker::new(
+        store,
+        std::sync::Arc::new(tablemail::commands::build_transport(&s).unwrap()),
+        s.worker.clone(),
+        s.retention.clone(),
+        tablemail::commands::message_defaults(&s).unwrap(),
+        "test.example".into(),
+    );
+    let id = db.enqueue(mail("slow-1@example.com", "step")).await;
+    let step = tokio::spawn({
+        let worker = worker.clone();
+        async move { worker.process_batch().await }
+    });
+    eventually("the mail past the dot", Duration::from_secs(10), || async {
+        smtp.attempts().len() == 1
+    })
+    .await;
+    // Another daemon sweeps for stale locks while the relay thinks...
+    let mut released = 0;
+    for _ in 0..15 {
+        released += db
+            .store
+            .release_stale_locks(Duration::from_secs(3), &[])
+            .await
+            .unwrap()
+            .len();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // ...and the step's connections to the database go silent before its
+    // commit: the commit times out and is retried on a new connection.
+    let before = db_proxy.connections();
+    db_proxy.blackhole();
+    let report = step.await.unwrap().unwrap();
+    assert_eq!(released, 0, "a live batch was taken for stale");
+    assert_eq!(report.sent, 1, "{report:?}");
+    assert!(
+        db_proxy.connections() > before,
+        "the commit found a new connection"
+    );
+    let row = db.row(id).await;
+    assert_eq!((row.status.as_str(), row.attempts), ("sent", 1));
+    assert_eq!(smtp.attempts().len(), 1, "sent once");
+}
