@@ -574,7 +574,7 @@ async fn claim_ms(store: &Arc<dyn Store>, rounds: usize) -> f64 {
     let mut times = Vec::with_capacity(rounds);
     for _ in 0..rounds {
         let claim = Claim {
-            lock: BatchLock::new(),
+            lock: BatchLock::generate(),
             limit: 100,
             max_age: Duration::from_secs(5 * 86400),
             message_id_domain: "bench.example",

@@ -37,6 +37,37 @@ pub struct Settings {
     pub retention: RetentionSettings,
     pub log: LogSettings,
     pub metrics: MetricsSettings,
+    pub dkim: DkimSettings,
+}
+
+/// DKIM signing of mails from `domain` (and below it); off unless all three
+/// keys are set.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct DkimSettings {
+    pub domain: Option<String>,
+    pub selector: Option<String>,
+    /// PEM: RSA (2048 bits or more) or Ed25519; a relative path is looked up
+    /// in `$CREDENTIALS_DIRECTORY` first.
+    pub private_key_file: Option<PathBuf>,
+}
+
+impl DkimSettings {
+    /// The signer these settings name, loaded and checked (`None`: off).
+    pub fn signer(&self) -> Result<Option<crate::dkim::Signer>> {
+        let (Some(domain), Some(selector), Some(file)) =
+            (&self.domain, &self.selector, &self.private_key_file)
+        else {
+            return Ok(None);
+        };
+        let pem = read_credential("dkim.private_key_file", file)?;
+        crate::dkim::Signer::new(domain, selector, pem.expose_secret())
+            .map(Some)
+            .map_err(|e| ConfigError::Invalid {
+                key: "dkim.private_key_file",
+                reason: e.to_string(),
+            })
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -101,6 +132,15 @@ pub struct TransportSettings {
     pub pool_size: usize,
     /// Skip certificate verification (test relays only); default false.
     pub accept_invalid_certs: bool,
+    /// Used while the primary relay is unavailable (Postfix's fallback_relay).
+    pub fallback_url: Option<String>,
+    pub fallback_username: Option<String>,
+    pub fallback_password_file: Option<PathBuf>,
+    /// While idle, probe the relay this often; default 30s.
+    #[serde(with = "humantime_serde")]
+    pub probe_interval: Duration,
+    /// Staging: every envelope goes to this one address, headers untouched.
+    pub redirect_to: Option<String>,
 }
 
 impl Default for TransportSettings {
@@ -115,6 +155,11 @@ impl Default for TransportSettings {
             max_message_size: ByteSize(25_000_000),
             pool_size: 16,
             accept_invalid_certs: false,
+            fallback_url: None,
+            fallback_username: None,
+            fallback_password_file: None,
+            probe_interval: Duration::from_secs(30),
+            redirect_to: None,
         }
     }
 }
@@ -371,6 +416,42 @@ impl Settings {
                 "set either transport.password or transport.password_file, not both",
             ));
         }
+        if let Some(url) = &self.transport.fallback_url {
+            match TransportKind::parse(url) {
+                Ok(TransportKind::Smtp { .. }) => {}
+                Ok(TransportKind::File { .. }) => {
+                    return Err(invalid(
+                        "transport.fallback_url",
+                        "must be an SMTP relay (smtp:// or smtps://)",
+                    ))
+                }
+                Err(e) => return Err(invalid("transport.fallback_url", e.to_string())),
+            }
+            if !matches!(
+                TransportKind::parse(&self.transport.url),
+                Ok(TransportKind::Smtp { .. })
+            ) {
+                return Err(invalid(
+                    "transport.fallback_url",
+                    "needs an SMTP relay in transport.url",
+                ));
+            }
+        }
+        if self.transport.fallback_username.is_some()
+            != self.transport.fallback_password_file.is_some()
+        {
+            return Err(invalid(
+                "transport.fallback_password_file",
+                "set transport.fallback_username and transport.fallback_password_file together",
+            ));
+        }
+        if self.transport.probe_interval < Duration::from_secs(1) {
+            return Err(invalid("transport.probe_interval", "must be at least 1s"));
+        }
+        if let Some(to) = &self.transport.redirect_to {
+            crate::mail::parse_address(to)
+                .map_err(|e| invalid("transport.redirect_to", e.to_string()))?;
+        }
         if self.transport.timeout.is_zero() {
             return Err(invalid("transport.timeout", "must be above zero"));
         }
@@ -403,6 +484,30 @@ impl Settings {
         if let Some(name) = &self.defaults.from_name {
             if name.contains(['\r', '\n']) {
                 return Err(invalid("defaults.from_name", "contains CR or LF"));
+            }
+        }
+        let d = &self.dkim;
+        let set = [
+            d.domain.is_some(),
+            d.selector.is_some(),
+            d.private_key_file.is_some(),
+        ];
+        if set.contains(&true) && set.contains(&false) {
+            return Err(invalid(
+                "dkim.private_key_file",
+                "set dkim.domain, dkim.selector and dkim.private_key_file together",
+            ));
+        }
+        if let Some(selector) = &d.selector {
+            let valid = !selector.is_empty()
+                && selector.split('.').all(|part| {
+                    !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                });
+            if !valid {
+                return Err(invalid(
+                    "dkim.selector",
+                    "not a DNS label such as `mail2026`",
+                ));
             }
         }
         if let Some(listen) = &self.metrics.listen {
@@ -439,18 +544,45 @@ impl TransportSettings {
             key: "transport.url",
             reason: e.to_string(),
         };
-        let kind = TransportKind::parse(&self.url).map_err(|e| invalid(e.into()))?;
-        Transport::new(RelayOptions {
-            kind,
-            username: self.username.clone(),
-            password: self.password()?,
-            hello: hello.to_string(),
-            timeout: self.timeout,
-            data_timeout: self.data_timeout,
-            pool_size: self.pool_size,
-            accept_invalid_certs: self.accept_invalid_certs,
-        })
-        .map_err(invalid)
+        let options = |url: &str, username: Option<String>, password| {
+            Ok(RelayOptions {
+                kind: TransportKind::parse(url).map_err(|e| invalid(e.into()))?,
+                username,
+                password,
+                hello: hello.to_string(),
+                timeout: self.timeout,
+                data_timeout: self.data_timeout,
+                pool_size: self.pool_size,
+                accept_invalid_certs: self.accept_invalid_certs,
+            })
+        };
+        let mut transport =
+            Transport::new(options(&self.url, self.username.clone(), self.password()?)?)
+                .map_err(invalid)?;
+        if let Some(url) = &self.fallback_url {
+            let password = match &self.fallback_password_file {
+                Some(path) => Some(read_credential("transport.fallback_password_file", path)?),
+                None => None,
+            };
+            transport = transport
+                .with_fallback(options(url, self.fallback_username.clone(), password)?)
+                .map_err(|e| ConfigError::Invalid {
+                    key: "transport.fallback_url",
+                    reason: e.to_string(),
+                })?;
+        }
+        let redirect = match &self.redirect_to {
+            Some(to) => Some(
+                crate::mail::parse_address(to).map_err(|e| ConfigError::Invalid {
+                    key: "transport.redirect_to",
+                    reason: e.to_string(),
+                })?,
+            ),
+            None => None,
+        };
+        Ok(transport
+            .redirect_to(redirect)
+            .probe_every(self.probe_interval))
     }
 }
 

@@ -12,7 +12,9 @@
 //! never the worker.
 //! - [`store`]: one `Store` interface, SQL per database, shared code once.
 //! - [`mail`]: a claimed row -> the message's bytes and envelope, validated.
-//! - [`smtp`]: the stage-aware SMTP client, its pool, the file transport.
+//! - [`smtp`]: the stage-aware SMTP client, its pool and fallback relay, the
+//!   file transport.
+//! - [`dkim`]: the DKIM key and which mails it signs.
 //! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
 //! - [`worker`]: the pipeline (claim -> send -> group commit), the outcome
 //!   policy, the relay gate, throttling, and the chores beside them.
@@ -27,6 +29,7 @@
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod dkim;
 pub mod mail;
 pub mod metrics;
 pub mod shutdown;

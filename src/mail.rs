@@ -55,6 +55,8 @@ pub struct MessageDefaults {
     pub from_address: Option<Address>,
     pub from_name: Option<String>,
     pub max_message_size: u64,
+    /// Signs mails from its domain (`dkim.*`).
+    pub dkim: Option<std::sync::Arc<crate::dkim::Signer>>,
 }
 
 /// A message ready for the wire.
@@ -242,6 +244,10 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
     if let Some(name) = from_name {
         reject_line_breaks("from_name", name)?;
     }
+    let sign = defaults
+        .dkim
+        .as_ref()
+        .filter(|signer| signer.covers(from_address.domain()));
     let from = Mailbox::new(from_name.map(str::to_string), from_address);
 
     let to = parse_list("to_address", Some(&mail.to_address))?;
@@ -292,7 +298,10 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
         (None, Some(html)) => builder.singlepart(SinglePart::html(body(html))),
         (text, None) => builder.singlepart(SinglePart::plain(body(text.unwrap_or("")))),
     };
-    let message = built.map_err(|e| MailError::Build(e.to_string()))?;
+    let mut message = built.map_err(|e| MailError::Build(e.to_string()))?;
+    if let Some(signer) = sign {
+        signer.sign(&mut message);
+    }
     let bytes = message.formatted();
     if bytes.len() as u64 > defaults.max_message_size {
         return Err(MailError::TooLarge {
@@ -373,7 +382,7 @@ mod tests {
     fn row() -> QueuedMail {
         QueuedMail {
             id: 7,
-            lock: BatchLock::new(),
+            lock: BatchLock::generate(),
             priority: 0,
             attempts: 1,
             attempts_remaining: 4,
@@ -398,6 +407,7 @@ mod tests {
             from_address: None,
             from_name: None,
             max_message_size: 1_000_000,
+            dkim: None,
         }
     }
 

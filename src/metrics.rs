@@ -19,7 +19,7 @@ use tokio::{
 };
 use tokio_util::sync::CancellationToken;
 
-use crate::store::Store;
+use crate::{smtp::Role, store::Store};
 
 /// Upper bounds of the send-latency histogram, in seconds.
 const LATENCY_BUCKETS: [f64; 12] = [
@@ -70,6 +70,8 @@ pub struct Metrics {
     latency_count: AtomicU64,
     /// Why the relay is unavailable; `None` while it works.
     relay_trouble: std::sync::Mutex<Option<String>>,
+    /// Mails the primary relay and the fallback took.
+    sent_through: [AtomicU64; 2],
 }
 
 impl Metrics {
@@ -94,6 +96,12 @@ impl Metrics {
                 .fetch_add(time.as_micros() as u64, Ordering::Relaxed);
             self.latency_count.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// A mail went through `relay`.
+    pub fn sent_through(&self, relay: Role) {
+        let i = usize::from(relay == Role::Fallback);
+        self.sent_through[i].fetch_add(1, Ordering::Relaxed);
     }
 
     /// The relay was found unavailable.
@@ -127,6 +135,24 @@ impl Metrics {
         out.push_str("# HELP tablemail_lock_lost_total Outcomes not written because another worker had taken the row.\n");
         out.push_str("# TYPE tablemail_lock_lost_total counter\n");
         let _ = writeln!(out, "tablemail_lock_lost_total {}", get(&self.lock_lost));
+        out.push_str("# HELP tablemail_relay_sent_total Mails each relay took.\n");
+        out.push_str("# TYPE tablemail_relay_sent_total counter\n");
+        for relay in [Role::Primary, Role::Fallback] {
+            let i = usize::from(relay == Role::Fallback);
+            let _ = writeln!(
+                out,
+                "tablemail_relay_sent_total{{relay=\"{}\"}} {}",
+                relay.as_str(),
+                get(&self.sent_through[i])
+            );
+        }
+        out.push_str("# HELP tablemail_log_lines_dropped_total Log lines dropped because stdout did not keep up.\n");
+        out.push_str("# TYPE tablemail_log_lines_dropped_total counter\n");
+        let _ = writeln!(
+            out,
+            "tablemail_log_lines_dropped_total {}",
+            crate::telemetry::lines_dropped()
+        );
         out.push_str("# HELP tablemail_send_duration_seconds Time of one SMTP transaction.\n");
         out.push_str("# TYPE tablemail_send_duration_seconds histogram\n");
         let mut cumulative = 0;

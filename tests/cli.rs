@@ -7,15 +7,6 @@ use std::{io::Write, process::Stdio, time::Duration};
 
 use support::*;
 
-fn output(cmd: &mut std::process::Command) -> (i32, String, String) {
-    let out = cmd.output().expect("run tablemail");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
 #[test]
 fn bad_configuration_exits_2_naming_the_key() {
     let dir = TempDir::new();
@@ -225,12 +216,14 @@ async fn enqueue_prints_ids_and_status_counts_them() {
         let (code, _, err) = output(tablemail().envs(env()).args(&bad));
         assert_eq!(code, 2, "{bad:?}: {err}");
     }
-    let (code, _, err) =
-        output(
-            tablemail()
-                .envs(db.env())
-                .args(["enqueue", "--to", "a@example.com"]),
-        );
+    // With a relay and no sender anywhere (the file transport of the
+    // embedded defaults would use its development sender).
+    let (code, _, err) = output(
+        tablemail()
+            .envs(db.env())
+            .env("TABLEMAIL__TRANSPORT__URL", "smtp://127.0.0.1:25")
+            .args(["enqueue", "--to", "a@example.com"]),
+    );
     assert_eq!(code, 2, "no sender anywhere: {err}");
     assert!(err.contains("no sender"), "{err}");
 
@@ -253,7 +246,12 @@ async fn enqueue_prints_ids_and_status_counts_them() {
 
     let (code, out, _) = output(tablemail().envs(db.env()).arg("status"));
     assert_eq!(code, 0);
-    assert!(out.contains("queued") && out.contains("3"), "{out}");
+    let queued: Vec<&str> = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("queued"))
+        .map(|l| l.split_whitespace().take(2).collect())
+        .unwrap_or_default();
+    assert_eq!(queued, ["queued", "3"], "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -382,6 +380,38 @@ async fn embedded_defaults_write_eml_files_and_wake_at_once() {
     assert!(text.contains("To: you@example.com\r\n"), "{text}");
     assert!(text.contains("Hello"), "{text}");
 
+    // The README's smallest insert, as written there: no sender, none
+    // configured. On the embedded defaults it still becomes a .eml file.
+    let readme = include_str!("../README.md");
+    let smallest = readme
+        .lines()
+        .find(|l| l.starts_with("INSERT INTO mail_queue (to_address, subject, body)"))
+        .expect("the README shows its smallest insert");
+    let pool = sqlx::SqlitePool::connect(&format!(
+        "sqlite://{}",
+        dir.path().join("tablemail.db").display()
+    ))
+    .await
+    .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(smallest.to_string()))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let id: i64 = sqlx::query_scalar("SELECT max(id) FROM mail_queue")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    let eml = dir.path().join("outbox").join(format!("{id}.eml"));
+    eventually(
+        "the smallest insert's .eml",
+        Duration::from_secs(10),
+        || async { eml.exists() },
+    )
+    .await;
+    let text = std::fs::read_to_string(&eml).unwrap();
+    assert!(text.contains("From: tablemail@localhost\r\n"), "{text}");
+
     let (code, out, _) = output(
         tablemail()
             .current_dir(dir.path())
@@ -390,7 +420,8 @@ async fn embedded_defaults_write_eml_files_and_wake_at_once() {
     assert_eq!(code, 0);
     let status: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(status["backend"], "sqlite");
-    assert_eq!(status["counts"]["sent"], 1);
+    assert_eq!(status["counts"]["sent"], 2);
+    assert_eq!(status["relays"][0]["reachable"], true);
 
     daemon.signal("INT");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);

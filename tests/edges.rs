@@ -26,8 +26,9 @@ fn attempt_ids(smtp: &SmtpServer) -> Vec<String> {
 
 async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
     for ambiguous in ["hold", "resend"] {
-        // The relay has each mail once "." arrives, but answers 4 s later.
-        let smtp = SmtpServer::start(&["--slow", "4"]);
+        // The relay has each mail once "." arrives, but answers 8 s later
+        // (long enough for a loaded machine to see all three in flight).
+        let smtp = SmtpServer::start(&["--slow", "8"]);
         let mails: Vec<NewMail> = (0..3)
             .map(|i| mail(&format!("slow-{ambiguous}{i}@example.com"), "late"))
             .collect();
@@ -48,8 +49,8 @@ async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
                 // One row per claim: each mail on a lane of its own, all
                 // three in flight at once.
                 ("TABLEMAIL__WORKER__BATCH_SIZE", "1"),
-                ("TABLEMAIL__WORKER__RETRY_BASE", "3s"),
-                ("TABLEMAIL__WORKER__RETRY_MAX", "3s"),
+                ("TABLEMAIL__WORKER__RETRY_BASE", "8s"),
+                ("TABLEMAIL__WORKER__RETRY_MAX", "8s"),
                 ("TABLEMAIL__TRANSPORT__DATA_TIMEOUT", "30s"),
             ],
         );
@@ -256,7 +257,7 @@ async fn silent_connections_to_the_database_and_the_relay_lose_nothing() {
         ("TABLEMAIL__WORKER__RETRY_MAX".into(), "2s".into()),
         ("TABLEMAIL__WORKER__CONCURRENCY".into(), "8".into()),
         // Slow enough that the silence falls in the middle of the drain.
-        ("TABLEMAIL__WORKER__RATE_LIMIT".into(), "200".into()),
+        ("TABLEMAIL__WORKER__RATE_LIMIT".into(), "100".into()),
     ];
     let mut daemon = Daemon::start(env);
     eventually("a quarter sent", Duration::from_secs(30), || async {
@@ -266,6 +267,11 @@ async fn silent_connections_to_the_database_and_the_relay_lose_nothing() {
     db_proxy.blackhole();
     smtp_proxy.blackhole();
     let silenced_at = Instant::now();
+    let left = MAILS - db.count("status = 'sent'").await;
+    assert!(
+        left > 400,
+        "only {left} mails left when the silence began: it fell after the drain"
+    );
     eventually(
         "every mail sent after the silence",
         Duration::from_secs(60),

@@ -194,13 +194,12 @@ async fn operators_retry_cancel_purge_check_and_read_status() {
     later.send_at = Some(chrono::Utc::now() + chrono::Duration::hours(1));
     let queued = db.enqueue(later).await;
     let smtp_url = smtp.url();
-    let env = || {
-        let mut e = db.env();
-        e.push(("TABLEMAIL__TRANSPORT__URL".into(), smtp_url.clone()));
-        e
-    };
     let run = |args: &[&str]| {
-        let out = tablemail().envs(env()).args(args).output().unwrap();
+        let out = tablemail()
+            .envs(daemon_env(&db, &smtp_url, &[]))
+            .args(args)
+            .output()
+            .unwrap();
         (
             out.status.code().unwrap_or(-1),
             String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -255,7 +254,7 @@ async fn operators_retry_cancel_purge_check_and_read_status() {
     let (code, out, err) = run(&["check"]);
     assert_eq!(code, 0, "{out}{err}");
     assert!(out.contains("database: postgres reachable"), "{out}");
-    assert!(out.contains("transport:") && out.contains("ok"), "{out}");
+    assert!(out.contains("relay (transport.url): ok"), "{out}");
     drop(smtp);
     let (code, out, _) = run(&["check"]);
     assert_eq!(code, 1, "{out}");
@@ -399,4 +398,56 @@ fn the_dockerfile_passes_hadolint() {
     for needed in ["AS build", "USER 10001", "HEALTHCHECK", "TABLEMAIL__"] {
         assert!(text.contains(needed), "the Dockerfile lacks {needed}");
     }
+}
+
+/// journald or a pipe that stops reading must not stop the mail: log lines are
+/// dropped and counted, lock renewal and commits go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stdout_nobody_reads_never_stops_the_mail() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    // More "mail sent" lines than the log queue and the pipe hold together.
+    const MAILS: i64 = 20_000;
+    db.exec(&format!(
+        "INSERT INTO mail_queue (to_address, from_address, subject, body) \
+         SELECT 'u' || g || '@example.com', 'shop@example.com', 'order ' || g, 'hello' \
+         FROM generate_series(1, {MAILS}) g"
+    ))
+    .await;
+    let sink = SmtpSink::start(&[]);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let (mut daemon, stdout) = Daemon::start_unread(daemon_env(
+        &db,
+        &sink.url(),
+        &[
+            ("TABLEMAIL__METRICS__LISTEN", &listen),
+            ("TABLEMAIL__WORKER__LOCK_TIMEOUT", "10s"),
+        ],
+    ));
+    eventually("every mail sent", Duration::from_secs(120), || async {
+        db.count("status = 'sent'").await == MAILS
+    })
+    .await;
+    let (status, metrics) = http_get(port, "/metrics");
+    assert_eq!(status, 200);
+    let dropped = sample(&metrics, "tablemail_log_lines_dropped_total").unwrap();
+    assert!(dropped > 0.0, "nothing dropped: the test proved nothing");
+    assert_eq!(db.count("status <> 'sent'").await, 0);
+    // Once stdout reads again, the daemon says how much it dropped.
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = std::io::Read::read_to_string(&mut { stdout }, &mut text);
+        text
+    });
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(20)).await, 0);
+    let text = reader.join().unwrap();
+    let notice = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["message"] == "log lines dropped: stdout did not keep up")
+        .expect("the dropped lines are reported");
+    assert!(notice["dropped"].as_u64().unwrap() > 0);
 }

@@ -28,7 +28,7 @@ for_each_backend!(
 
 fn claim(limit: usize) -> Claim<'static> {
     Claim {
-        lock: BatchLock::new(),
+        lock: BatchLock::generate(),
         limit,
         max_age: Duration::from_secs(86400),
         message_id_domain: "test.example",

@@ -1,9 +1,12 @@
 //! The operator's other commands: `migrate`, `retry`, `cancel`, `purge` and
 //! `check`.
 
-use crate::{cli::RetryArgs, config::Settings, store::RetrySelection};
+use crate::{
+    cli::RetryArgs, config::Settings, smtp::Role, store::RetrySelection,
+    telemetry::redact_addresses,
+};
 
-use super::{build_transport, connect, CommandError, Result};
+use super::{build_transport, connect, message_defaults, CommandError, Result};
 
 pub(super) async fn migrate(settings: &Settings) -> Result<()> {
     let store = connect(settings).await?;
@@ -58,6 +61,7 @@ pub(super) async fn purge(settings: &Settings) -> Result<()> {
 pub(super) async fn check(settings: &Settings) -> Result<()> {
     let mut problems = Vec::new();
     let transport = build_transport(settings)?;
+    let defaults = message_defaults(settings)?;
     println!("configuration: ok");
     let store = connect(settings).await?;
     match store.ping().await {
@@ -82,12 +86,42 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
             problems.push("database");
         }
     }
-    match transport.probe().await {
-        Ok(info) => println!("transport: {} ok: {info}", settings.transport.url),
-        Err(e) => {
-            println!("transport: {} unavailable: {e}", settings.transport.url);
-            problems.push("transport");
+    let mut relays = vec![(Role::Primary, "transport.url")];
+    if transport.has_fallback() {
+        relays.push((Role::Fallback, "transport.fallback_url"));
+    }
+    let mut reachable = false;
+    for (role, key) in relays {
+        match transport.probe(role).await {
+            Ok(info) => {
+                reachable = true;
+                println!("relay ({key}): ok: {info}");
+            }
+            Err(e) => println!(
+                "relay ({key}): unavailable: {}",
+                redact_addresses(&e.to_string())
+            ),
         }
+    }
+    if !reachable {
+        problems.push("relay");
+    }
+    if transport.outbox().is_none() && settings.defaults.from_address.is_none() {
+        println!("defaults.from_address: not set: rows without a sender wait until it is");
+        problems.push("defaults.from_address");
+    }
+    if let Some(signer) = &defaults.dkim {
+        println!(
+            "dkim: signs mail from {} and its subdomains, {}",
+            signer.domain(),
+            signer.describe()
+        );
+    }
+    if let Some(to) = transport.redirected_to() {
+        println!(
+            "transport.redirect_to: every mail goes to {} (staging)",
+            redact_addresses(to.as_ref())
+        );
     }
     if problems.is_empty() {
         Ok(())

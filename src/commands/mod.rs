@@ -72,12 +72,23 @@ pub async fn execute(command: Command, settings: Settings) -> ExitCode {
     }
 }
 
-/// The defaults every message takes from the configuration.
+/// The sender of mails without one when the transport is the file transport
+/// (development, the embedded defaults) and `defaults.from_address` is unset.
+pub const DEVELOPMENT_SENDER: &str = "tablemail@localhost";
+
+/// The defaults every message takes from the configuration. With the file
+/// transport a missing sender is [`DEVELOPMENT_SENDER`]; with a relay it stays
+/// missing, and rows without a sender wait for the operator.
 pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
+    let development = matches!(
+        crate::smtp::TransportKind::parse(&settings.transport.url),
+        Ok(crate::smtp::TransportKind::File { .. })
+    );
     let from_address = settings
         .defaults
         .from_address
         .as_deref()
+        .or(development.then_some(DEVELOPMENT_SENDER))
         .map(mail::parse_address)
         .transpose()
         .map_err(|e| CommandError::Usage(format!("defaults.from_address: {e}")))?;
@@ -85,6 +96,11 @@ pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
         from_address,
         from_name: settings.defaults.from_name.clone(),
         max_message_size: settings.transport.max_message_size.0,
+        dkim: settings
+            .dkim
+            .signer()
+            .map_err(|e| CommandError::Usage(e.to_string()))?
+            .map(std::sync::Arc::new),
     })
 }
 

@@ -9,6 +9,7 @@ use crate::{
     mail, metrics, shutdown,
     store::Store,
     systemd,
+    telemetry::redact_addresses,
     worker::{retry, Worker},
 };
 
@@ -45,6 +46,24 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
         );
     }
     let defaults = message_defaults(settings)?;
+    if defaults.from_address.is_none() {
+        tracing::error!(
+            "configuration fault: defaults.from_address is not set: rows without a sender wait until it is"
+        );
+    }
+    if let Some(signer) = &defaults.dkim {
+        tracing::info!(
+            dkim_domain = signer.domain(),
+            dkim = signer.describe(),
+            "DKIM signing mails from the domain and its subdomains"
+        );
+    }
+    if let Some(to) = transport.redirected_to() {
+        tracing::warn!(
+            redirect_to = %redact_addresses(to.as_ref()),
+            "staging redirect: every mail goes to transport.redirect_to"
+        );
+    }
     let store = connect(settings).await?;
     if !wait_for_database(&store, &cancel).await {
         return Ok(());

@@ -4,9 +4,33 @@
 
 use std::time::Duration;
 
-use crate::{config::Settings, telemetry::redact_addresses, worker::outcome::failure_kind};
+use crate::{
+    config::Settings,
+    smtp::{Role, Transport},
+    telemetry::redact_addresses,
+    worker::outcome::failure_kind,
+};
 
-use super::{connect, Result};
+use super::{build_transport, connect, Result};
+
+/// What a probe of each configured relay finds now (at most 5 s each):
+/// `(role, reachable, what it said or why not)`.
+async fn relays(transport: &Transport) -> Vec<(Role, bool, String)> {
+    let mut roles = vec![Role::Primary];
+    if transport.has_fallback() {
+        roles.push(Role::Fallback);
+    }
+    let mut found = Vec::new();
+    for role in roles {
+        let probe = tokio::time::timeout(Duration::from_secs(5), transport.probe(role)).await;
+        found.push(match probe {
+            Ok(Ok(info)) => (role, true, info),
+            Ok(Err(e)) => (role, false, redact_addresses(&e.to_string())),
+            Err(_) => (role, false, "no answer within 5s".into()),
+        });
+    }
+    found
+}
 
 pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
     let store = connect(settings).await?;
@@ -28,6 +52,11 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
         };
         tally.add(failure_kind(&reason.last_error));
     }
+    let transport = build_transport(settings)?;
+    let relays = relays(&transport).await;
+    let redirect = transport
+        .redirected_to()
+        .map(|to| redact_addresses(to.as_ref()));
     let rates = [
         ("1m", stats.sent_last_1m as f64 / 60.0),
         ("5m", stats.sent_last_5m as f64 / 300.0),
@@ -46,6 +75,10 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
             "failures_last_hour": failures.json(),
             "retrying_last_hour": waiting.json(),
             "recent_failures": stats.recent_failures,
+            "relays": relays.iter().map(|(role, reachable, detail)| serde_json::json!({
+                "relay": role.as_str(), "reachable": reachable, "detail": detail,
+            })).collect::<Vec<_>>(),
+            "redirect_to": redirect,
         });
         println!("{value}");
         return Ok(());
@@ -76,6 +109,17 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
         "sent per second: {:.1} over the last minute, {:.1} over 5 minutes, {:.1} over 15 minutes",
         rates[0].1, rates[1].1, rates[2].1
     );
+    for (role, reachable, detail) in &relays {
+        let state = if *reachable {
+            "reachable"
+        } else {
+            "UNAVAILABLE"
+        };
+        println!("relay ({}): {state}: {detail}", role.as_str());
+    }
+    if let Some(to) = &redirect {
+        println!("staging redirect: every mail goes to {to}");
+    }
     failures.print("failures in the last hour", "no failures in the last hour");
     waiting.print(
         "queued again with an error in the last hour (retry or deferral), by reply",

@@ -141,7 +141,7 @@ impl SendError {
     }
 
     /// `<stage>: <code> <text>` or `<stage>: <what broke>`: the form of
-    /// `last_error`, read back by [`crate::worker::outcome::FailureKind`].
+    /// `last_error`, read back in one place: `worker::outcome::failure_kind`.
     fn describe(&self) -> String {
         match (&self.reply, self.stage) {
             (Some(reply), stage) => format!("{stage}: {reply}"),
@@ -161,6 +161,26 @@ pub struct Delivered {
     pub code: u16,
     /// The relay's reply to ".", usually naming its queue id.
     pub reply: String,
+    /// Which relay took it.
+    pub relay: Role,
+}
+
+/// The relay a session talks to: `transport.url`, or `transport.fallback_url`
+/// while the first is unavailable.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Role {
+    #[default]
+    Primary,
+    Fallback,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Primary => "primary",
+            Role::Fallback => "fallback",
+        }
+    }
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ impl FileTransport {
         tokio::fs::write(&tmp, mail.content).await.map_err(down)?;
         tokio::fs::rename(&tmp, &path).await.map_err(down)?;
         Ok(Delivered {
+            relay: Default::default(),
             code: 250,
             reply: format!("written to {}", path.display()),
         })

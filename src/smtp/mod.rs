@@ -18,7 +18,14 @@ mod stream;
 mod transaction;
 mod url;
 
-use std::{path::PathBuf, sync::Mutex, time::Duration};
+use std::{
+    path::PathBuf,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Mutex,
+    },
+    time::Duration,
+};
 
 use lettre::{
     address::Envelope,
@@ -26,7 +33,7 @@ use lettre::{
 };
 use secrecy::{ExposeSecret, SecretString};
 
-pub use error::{Delivered, Reply, SendError, Stage};
+pub use error::{Delivered, Reply, Role, SendError, Stage};
 pub use session::Session;
 pub use url::{TlsMode, TransportKind, UrlError};
 
@@ -69,19 +76,257 @@ pub enum TransportError {
     NoPassword,
     #[error("TLS setup: {0}")]
     Tls(String),
+    #[error("a fallback relay needs an SMTP primary (transport.url)")]
+    FallbackWithoutSmtp,
 }
 
-/// Where mail goes: an SMTP relay or a directory of `.eml` files.
-pub enum Transport {
-    Smtp(SmtpRelay),
+/// Where mail goes: an SMTP relay (and its fallback) or a directory of
+/// `.eml` files.
+pub struct Transport {
+    kind: Kind,
+    /// `transport.redirect_to`: every envelope goes to this one address.
+    redirect_to: Option<lettre::Address>,
+    /// `transport.probe_interval`.
+    probe_interval: Duration,
+}
+
+enum Kind {
+    Smtp(Box<Relays>),
     File(FileTransport),
+}
+
+/// `transport.url`, and `transport.fallback_url` for while it is unavailable.
+/// Which one new sessions use is the worker's decision ([`Transport::use_fallback`]);
+/// a session stays with the relay it is connected to.
+pub struct Relays {
+    primary: SmtpRelay,
+    fallback: Option<SmtpRelay>,
+    on_fallback: AtomicBool,
+}
+
+impl Relays {
+    fn get(&self, role: Role) -> &SmtpRelay {
+        match (role, &self.fallback) {
+            (Role::Fallback, Some(fallback)) => fallback,
+            _ => &self.primary,
+        }
+    }
+
+    fn active(&self) -> Role {
+        if self.on_fallback.load(Ordering::Relaxed) {
+            Role::Fallback
+        } else {
+            Role::Primary
+        }
+    }
 }
 
 impl Transport {
     pub fn new(options: RelayOptions) -> Result<Transport, TransportError> {
-        let (host, port, tls) = match options.kind {
-            TransportKind::File { dir } => return Ok(Transport::File(FileTransport { dir })),
-            TransportKind::Smtp { host, port, tls } => (host, port, tls),
+        let kind = match options.kind {
+            TransportKind::File { dir } => Kind::File(FileTransport { dir }),
+            TransportKind::Smtp { .. } => Kind::Smtp(Box::new(Relays {
+                primary: SmtpRelay::new(options)?,
+                fallback: None,
+                on_fallback: AtomicBool::new(false),
+            })),
+        };
+        Ok(Transport {
+            kind,
+            redirect_to: None,
+            probe_interval: Duration::from_secs(30),
+        })
+    }
+
+    /// Sends every envelope to `to` (staging), headers untouched.
+    pub fn redirect_to(mut self, to: Option<lettre::Address>) -> Transport {
+        self.redirect_to = to;
+        self
+    }
+
+    /// Where every envelope goes, if redirected.
+    pub fn redirected_to(&self) -> Option<&lettre::Address> {
+        self.redirect_to.as_ref()
+    }
+
+    /// How often the relay is probed while no mail goes through.
+    pub fn probe_every(mut self, interval: Duration) -> Transport {
+        self.probe_interval = interval;
+        self
+    }
+
+    pub fn probe_interval(&self) -> Duration {
+        self.probe_interval
+    }
+
+    /// Adds `transport.fallback_url`'s relay.
+    pub fn with_fallback(mut self, options: RelayOptions) -> Result<Transport, TransportError> {
+        match &mut self.kind {
+            Kind::Smtp(relays) => relays.fallback = Some(SmtpRelay::new(options)?),
+            Kind::File(_) => return Err(TransportError::FallbackWithoutSmtp),
+        }
+        Ok(self)
+    }
+
+    /// Whether a fallback relay is configured.
+    pub fn has_fallback(&self) -> bool {
+        matches!(&self.kind, Kind::Smtp(relays) if relays.fallback.is_some())
+    }
+
+    /// The relay new sessions connect to.
+    pub fn active(&self) -> Role {
+        match &self.kind {
+            Kind::Smtp(relays) => relays.active(),
+            Kind::File(_) => Role::Primary,
+        }
+    }
+
+    /// Sends new sessions to the fallback (`true`) or back to the primary.
+    /// Returns whether that changed anything.
+    pub fn use_fallback(&self, on: bool) -> bool {
+        match &self.kind {
+            Kind::Smtp(relays) if relays.fallback.is_some() => {
+                relays.on_fallback.swap(on, Ordering::Relaxed) != on
+            }
+            _ => false,
+        }
+    }
+
+    /// The directory of the file transport, if that is what this is.
+    pub fn outbox(&self) -> Option<&PathBuf> {
+        match &self.kind {
+            Kind::File(file) => Some(&file.dir),
+            Kind::Smtp(_) => None,
+        }
+    }
+
+    /// A session, connected already if an idle one was kept.
+    pub fn session(&self) -> Session {
+        match &self.kind {
+            Kind::Smtp(relays) => {
+                let role = relays.active();
+                relays
+                    .get(role)
+                    .idle
+                    .lock()
+                    .unwrap()
+                    .pop()
+                    .unwrap_or_else(|| Session::for_relay(role))
+            }
+            Kind::File(_) => Session::default(),
+        }
+    }
+
+    /// Takes a session back: kept for reuse while fewer than
+    /// `transport.pool_size` are idle, closed otherwise.
+    pub async fn recycle(&self, mut session: Session) {
+        let Kind::Smtp(relays) = &self.kind else {
+            return;
+        };
+        let role = session.relay;
+        let relay = relays.get(role);
+        let Some(conn) = session.conn.take() else {
+            return;
+        };
+        // An envelope sent ahead for a mail that will not follow leaves the
+        // relay mid-transaction: only closing gets out of that.
+        if session.pending.take().is_some() || conn.conn.has_broken() {
+            return;
+        }
+        {
+            let mut idle = relay.idle.lock().unwrap();
+            if idle.len() < relay.pool_size {
+                idle.push(Session {
+                    conn: Some(conn),
+                    idle_since: Some(std::time::Instant::now()),
+                    ..Session::for_relay(role)
+                });
+                return;
+            }
+        }
+        relay.hang_up(conn.conn).await;
+    }
+
+    /// Delivers one message through `session`. `next`, when known, is the
+    /// mail this session sends after it (its envelope may ride along).
+    pub async fn send(
+        &self,
+        session: &mut Session,
+        mail: Outgoing<'_>,
+        next: Option<Outgoing<'_>>,
+    ) -> Result<Delivered, SendError> {
+        let redirected;
+        let (mail, next) = match &self.redirect_to {
+            Some(to) => {
+                redirected = (
+                    redirect(mail.envelope, to),
+                    next.map(|n| redirect(n.envelope, to)),
+                );
+                (
+                    Outgoing {
+                        envelope: &redirected.0,
+                        ..mail
+                    },
+                    next.zip(redirected.1.as_ref())
+                        .map(|(n, envelope)| Outgoing { envelope, ..n }),
+                )
+            }
+            None => (mail, next),
+        };
+        match &self.kind {
+            Kind::Smtp(relays) => {
+                if session.conn.is_none() {
+                    // Not connected yet: to whichever relay is in use now.
+                    session.relay = relays.active();
+                }
+                let role = session.relay;
+                let mut delivered = relays.get(role).send(session, mail, next).await?;
+                delivered.relay = role;
+                Ok(delivered)
+            }
+            Kind::File(file) => file.send(mail).await,
+        }
+    }
+
+    /// Opens a session and says QUIT (connect, TLS, EHLO and AUTH as
+    /// configured): whether the relay would take mail now. Returns what it
+    /// said of itself.
+    pub async fn probe(&self, role: Role) -> Result<String, SendError> {
+        match &self.kind {
+            Kind::Smtp(relays) => {
+                let relay = relays.get(role);
+                let mut stage = Stage::Connect;
+                let mut conn = relay.connect(&mut stage).await?;
+                let info = conn.conn.server_info().to_string();
+                let _ = tokio::time::timeout(relay.limits.command, conn.conn.quit()).await;
+                Ok(info)
+            }
+            Kind::File(file) => {
+                file.create_dir().await?;
+                Ok(format!("directory {}", file.dir.display()))
+            }
+        }
+    }
+
+    /// Closes idle connections politely.
+    pub async fn close(&self) {
+        if let Kind::Smtp(relays) = &self.kind {
+            for relay in std::iter::once(&relays.primary).chain(&relays.fallback) {
+                let idle: Vec<Session> = std::mem::take(&mut *relay.idle.lock().unwrap());
+                for session in idle {
+                    if let Some(conn) = session.conn {
+                        relay.hang_up(conn.conn).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl SmtpRelay {
+    fn new(options: RelayOptions) -> Result<SmtpRelay, TransportError> {
+        let TransportKind::Smtp { host, port, tls } = options.kind else {
+            return Err(TransportError::FallbackWithoutSmtp);
         };
         let tls_parameters = match tls {
             TlsMode::None => None,
@@ -100,7 +345,7 @@ impl Transport {
             (Some(_), None) => return Err(TransportError::NoPassword),
             (None, _) => None,
         };
-        Ok(Transport::Smtp(SmtpRelay {
+        Ok(SmtpRelay {
             host,
             port,
             tls,
@@ -113,95 +358,12 @@ impl Transport {
             },
             pool_size: options.pool_size,
             idle: Mutex::new(Vec::new()),
-        }))
+        })
     }
+}
 
-    /// The directory of the file transport, if that is what this is.
-    pub fn outbox(&self) -> Option<&PathBuf> {
-        match self {
-            Transport::File(file) => Some(&file.dir),
-            Transport::Smtp(_) => None,
-        }
-    }
-
-    /// A session, connected already if an idle one was kept.
-    pub fn session(&self) -> Session {
-        match self {
-            Transport::Smtp(relay) => relay.idle.lock().unwrap().pop().unwrap_or_default(),
-            Transport::File(_) => Session::default(),
-        }
-    }
-
-    /// Takes a session back: kept for reuse while fewer than
-    /// `transport.pool_size` are idle, closed otherwise.
-    pub async fn recycle(&self, mut session: Session) {
-        let Transport::Smtp(relay) = self else {
-            return;
-        };
-        let Some(conn) = session.conn.take() else {
-            return;
-        };
-        // An envelope sent ahead for a mail that will not follow leaves the
-        // relay mid-transaction: only closing gets out of that.
-        if session.pending.take().is_some() || conn.conn.has_broken() {
-            return;
-        }
-        {
-            let mut idle = relay.idle.lock().unwrap();
-            if idle.len() < relay.pool_size {
-                idle.push(Session {
-                    conn: Some(conn),
-                    idle_since: Some(std::time::Instant::now()),
-                    ..Session::default()
-                });
-                return;
-            }
-        }
-        relay.hang_up(conn.conn).await;
-    }
-
-    /// Delivers one message through `session`. `next`, when known, is the
-    /// mail this session sends after it (its envelope may ride along).
-    pub async fn send(
-        &self,
-        session: &mut Session,
-        mail: Outgoing<'_>,
-        next: Option<Outgoing<'_>>,
-    ) -> Result<Delivered, SendError> {
-        match self {
-            Transport::Smtp(relay) => relay.send(session, mail, next).await,
-            Transport::File(file) => file.send(mail).await,
-        }
-    }
-
-    /// Opens a session and says QUIT (connect, TLS, EHLO and AUTH as
-    /// configured): whether the relay would take mail now. Returns what it
-    /// said of itself.
-    pub async fn probe(&self) -> Result<String, SendError> {
-        match self {
-            Transport::Smtp(relay) => {
-                let mut stage = Stage::Connect;
-                let mut conn = relay.connect(&mut stage).await?;
-                let info = conn.conn.server_info().to_string();
-                let _ = tokio::time::timeout(relay.limits.command, conn.conn.quit()).await;
-                Ok(info)
-            }
-            Transport::File(file) => {
-                file.create_dir().await?;
-                Ok(format!("directory {}", file.dir.display()))
-            }
-        }
-    }
-
-    /// Closes idle connections politely.
-    pub async fn close(&self) {
-        if let Transport::Smtp(relay) = self {
-            let idle: Vec<Session> = std::mem::take(&mut *relay.idle.lock().unwrap());
-            for session in idle {
-                if let Some(conn) = session.conn {
-                    relay.hang_up(conn.conn).await;
-                }
-            }
-        }
-    }
+/// The same sender, one recipient: `to`.
+fn redirect(envelope: &Envelope, to: &lettre::Address) -> Envelope {
+    Envelope::new(envelope.from().cloned(), vec![to.clone()])
+        .expect("an envelope with one recipient is valid")
 }

@@ -17,7 +17,7 @@ use lettre::transport::smtp::{
 use tokio::net::TcpStream;
 
 use super::{
-    error::{Delivered, SendError, Stage},
+    error::{Delivered, Role, SendError, Stage},
     stream::{implicit_tls, tune, ReadCount, TrackedStream},
     transaction::{timed, transaction, Limits},
     url::TlsMode,
@@ -41,9 +41,18 @@ pub struct Session {
     pub(super) stage: Stage,
     /// Reads on the connection when the end of data began (see [`ReadCount`]).
     pub(super) data_mark: Option<u64>,
+    /// The relay this session talks to.
+    pub(super) relay: Role,
 }
 
 impl Session {
+    pub(super) fn for_relay(relay: Role) -> Session {
+        Session {
+            relay,
+            ..Session::default()
+        }
+    }
+
     /// The send in progress on this session was cut off from outside (by the
     /// shutdown deadline, or a panic): how far did it get? `AfterDot` means the
     /// relay may have the mail. The connection is out of step and is dropped.

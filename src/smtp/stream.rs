@@ -51,6 +51,33 @@ pub(super) fn tune(tcp: &TcpStream, timeout: Duration) -> io::Result<()> {
 #[derive(Debug, Clone, Default)]
 pub(super) struct ReadCount(Arc<AtomicU64>);
 
+/// Writes go straight to `self.inner`: the wrappers here only watch reads or
+/// name the peer.
+macro_rules! forward_writes {
+    ($wrapper:ty) => {
+        impl AsyncWrite for $wrapper {
+            fn poll_write(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &[u8],
+            ) -> Poll<io::Result<usize>> {
+                Pin::new(&mut self.inner).poll_write(cx, buf)
+            }
+
+            fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.inner).poll_flush(cx)
+            }
+
+            fn poll_shutdown(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.inner).poll_shutdown(cx)
+            }
+        }
+    };
+}
+
 impl ReadCount {
     pub(super) fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
@@ -80,23 +107,7 @@ impl AsyncRead for TrackedStream {
     }
 }
 
-impl AsyncWrite for TrackedStream {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
+forward_writes!(TrackedStream);
 
 impl AsyncTokioStream for TrackedStream {
     fn peer_addr(&self) -> io::Result<SocketAddr> {
@@ -144,23 +155,7 @@ impl AsyncRead for TlsOverTcp {
     }
 }
 
-impl AsyncWrite for TlsOverTcp {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
+forward_writes!(TlsOverTcp);
 
 impl AsyncTokioStream for TlsOverTcp {
     fn peer_addr(&self) -> io::Result<SocketAddr> {

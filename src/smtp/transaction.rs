@@ -179,6 +179,7 @@ pub(super) async fn transaction(
     match sent {
         Ok(response) => Ok((
             Delivered {
+                relay: Default::default(),
                 code: code_number(response.code()),
                 reply: response.message().collect::<Vec<_>>().join(" "),
             },

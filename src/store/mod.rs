@@ -9,6 +9,9 @@
 //! whose lock was taken away cannot overwrite the new owner's state. Every call
 //! has a deadline (`database.statement_timeout`): a connection whose packets
 //! vanish is dropped, not waited on.
+//!
+//! Longer than 500 lines on purpose: the trait and every type it speaks are
+//! the whole contract between the worker and the databases, read in one place.
 
 use std::{fmt, sync::Arc, time::Duration};
 
@@ -125,7 +128,9 @@ pub struct BatchLock(pub Uuid);
 
 impl BatchLock {
     /// A fresh v4 GUID: every claim takes a new one.
-    pub fn new() -> Self {
+    /// A fresh random lock (deliberately not `Default`: a lock made by
+    /// accident would fence nothing).
+    pub fn generate() -> Self {
         BatchLock(Uuid::new_v4())
     }
 }
@@ -373,12 +378,13 @@ impl RetrySelection {
     }
 }
 
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default)]
 pub struct StatusCount {
     pub status: String,
     pub count: i64,
 }
 
+/// Serialized as is into `status --json`'s `recent_failures`.
 #[derive(Debug, Clone, Serialize)]
 pub struct RecentFailure {
     pub id: i64,

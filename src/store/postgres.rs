@@ -15,9 +15,7 @@ use uuid::Uuid;
 
 use super::{
     migrations::{self, POSTGRES},
-    shared::{
-        self, insert_columns, insert_query, queued_mail, stale_rows, Common, Param, Queries, Shared,
-    },
+    shared::{self, queued_mail, stale_rows, Common, Param, Queries, Shared},
     Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
     QueuedMail, Result, RetrySelection, StaleRow, Store, StoreError,
 };
@@ -41,6 +39,17 @@ impl PgStore {
             // the whole table; a plan made for the real values costs a
             // fraction of a millisecond per batch and stays on the indexes.
             .options([("plan_cache_mode", "force_custom_plan")])
+            // sqlx cannot set keepalive on its own socket; the server's side
+            // of each connection can: a tablemail that vanished (a lost NAT
+            // entry, a failed-over address) has its session, and any claim
+            // transaction still open in it, ended within seconds instead of
+            // the kernel's two hours. Our side is covered by the deadline on
+            // every call.
+            .options([
+                ("tcp_keepalives_idle", "10"),
+                ("tcp_keepalives_interval", "5"),
+                ("tcp_keepalives_count", "3"),
+            ])
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
         let pool = PgPoolOptions::new()
@@ -323,31 +332,16 @@ impl Store for PgStore {
             .run(|c| {
                 Box::pin(async move {
                     let mut tx = sqlx::Connection::begin(&mut *c).await?;
-                    let mut out = Vec::with_capacity(mails.len());
-                    for mail in &mails {
-                        let query = insert_query(
-                            insert_columns(mail),
-                            |i, p| match p {
-                                Param::Json(_) => format!("${i}::jsonb"),
-                                _ => format!("${i}"),
-                            },
-                            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
-                        );
-                        let enqueued = match query.fetch_optional(&mut *tx).await? {
-                            Some(row) => Enqueued {
-                                id: row.try_get(0)?,
-                                duplicate: false,
-                            },
-                            None => Enqueued {
-                                id: sqlx::query_scalar(EXISTING_DEDUPE)
-                                    .bind(mail.dedupe_key.as_deref())
-                                    .fetch_one(&mut *tx)
-                                    .await?,
-                                duplicate: true,
-                            },
-                        };
-                        out.push(enqueued);
-                    }
+                    let out = shared::insert_returning::<sqlx::Postgres>(
+                        &mut tx,
+                        &mails,
+                        |i, p| match p {
+                            Param::Json(_) => format!("${i}::jsonb"),
+                            _ => format!("${i}"),
+                        },
+                        EXISTING_DEDUPE,
+                    )
+                    .await?;
                     tx.commit().await?;
                     Ok(out)
                 })

@@ -16,8 +16,8 @@ use sqlx::{
 };
 
 use super::{
-    BatchLock, FailureReason, Finished, NewMail, QueueStats, QueuedMail, RecentFailure, Result,
-    RetrySelection, StaleRow, StatusCount, StoreError,
+    BatchLock, Enqueued, FailureReason, Finished, NewMail, QueueStats, QueuedMail, RecentFailure,
+    Result, RetrySelection, StaleRow, StatusCount, StoreError,
 };
 
 /// Milliseconds, for SQL interval arithmetic.
@@ -343,7 +343,6 @@ pub(crate) fn insert_query<'a, DB>(
 ) -> sqlx::query::Query<'a, DB, DB::Arguments>
 where
     DB: Database,
-    for<'q> &'a str: Encode<'q, DB> + Type<DB>,
     for<'q> i32: Encode<'q, DB> + Type<DB>,
     for<'q> DateTime<Utc>: Encode<'q, DB> + Type<DB>,
     for<'q> String: Encode<'q, DB> + Type<DB>,
@@ -362,13 +361,61 @@ where
     let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
     for (_, param) in cols {
         query = match param {
-            Param::Text(t) => query.bind(t),
+            // Owned: a borrowed `&str` here would tie the generic callers to
+            // `'static` (a limit of higher-ranked bounds in async code).
+            Param::Text(t) => query.bind(t.to_string()),
             Param::Int(i) => query.bind(i),
             Param::Time(t) => query.bind(t),
             Param::Json(j) => query.bind(j),
         };
     }
     query
+}
+
+/// `enqueue` where the database has `ON CONFLICT (dedupe_key) DO NOTHING
+/// RETURNING id` (PostgreSQL, SQLite): each mail inserted in turn on `conn`
+/// (the caller's transaction); a taken dedupe key returns no row, and the
+/// existing row's id is looked up with `existing` instead.
+pub(crate) async fn insert_returning<DB>(
+    conn: &mut DB::Connection,
+    mails: &[NewMail],
+    placeholder: impl Fn(usize, &Param<'_>) -> String,
+    existing: &'static str,
+) -> Result<Vec<Enqueued>, sqlx::Error>
+where
+    DB: Database,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    for<'q> Option<String>: Encode<'q, DB> + Type<DB>,
+    for<'q> i32: Encode<'q, DB> + Type<DB>,
+    for<'q> DateTime<Utc>: Encode<'q, DB> + Type<DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'r> i64: Decode<'r, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let mut out = Vec::with_capacity(mails.len());
+    for mail in mails {
+        let query = insert_query::<DB>(
+            insert_columns(mail),
+            &placeholder,
+            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
+        );
+        let enqueued = match query.fetch_optional(&mut *conn).await? {
+            Some(row) => Enqueued {
+                id: row.try_get(0)?,
+                duplicate: false,
+            },
+            None => Enqueued {
+                id: sqlx::query_scalar(existing)
+                    .bind(mail.dedupe_key.clone())
+                    .fetch_one(&mut *conn)
+                    .await?,
+                duplicate: true,
+            },
+        };
+        out.push(enqueued);
+    }
+    Ok(out)
 }
 
 /// Decodes a claimed row; the claim of every backend returns these columns.

@@ -21,8 +21,8 @@ use uuid::Uuid;
 use super::{
     migrations::{self, SQLITE},
     shared::{
-        self, finalize_json, held_json, insert_columns, insert_query, locks_json, queued_mail,
-        stale_rows, Common, Param, Queries, Shared,
+        self, finalize_json, held_json, locks_json, queued_mail, stale_rows, Common, Param,
+        Queries, Shared,
     },
     Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail, Result,
     StaleRow, Store,
@@ -284,33 +284,18 @@ impl Store for SqliteStore {
                     // never has to upgrade a read snapshot (which SQLite
                     // refuses when busy).
                     let mut tx = c.begin_with("BEGIN IMMEDIATE").await?;
-                    let mut out = Vec::with_capacity(mails.len());
-                    for mail in &mails {
-                        let query = insert_query(
-                            insert_columns(mail),
-                            |i, p| match p {
-                                // Times in the column's own text format, so
-                                // that they sort with the defaults.
-                                Param::Time(_) => format!("strftime('%Y-%m-%d %H:%M:%f', ?{i})"),
-                                _ => format!("?{i}"),
-                            },
-                            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
-                        );
-                        let enqueued = match query.fetch_optional(&mut *tx).await? {
-                            Some(row) => Enqueued {
-                                id: row.try_get(0)?,
-                                duplicate: false,
-                            },
-                            None => Enqueued {
-                                id: sqlx::query_scalar(EXISTING_DEDUPE)
-                                    .bind(mail.dedupe_key.as_deref())
-                                    .fetch_one(&mut *tx)
-                                    .await?,
-                                duplicate: true,
-                            },
-                        };
-                        out.push(enqueued);
-                    }
+                    let out = shared::insert_returning::<sqlx::Sqlite>(
+                        &mut tx,
+                        &mails,
+                        |i, p| match p {
+                            // Times in the column's own text format, so
+                            // that they sort with the defaults.
+                            Param::Time(_) => format!("strftime('%Y-%m-%d %H:%M:%f', ?{i})"),
+                            _ => format!("?{i}"),
+                        },
+                        EXISTING_DEDUPE,
+                    )
+                    .await?;
                     tx.commit().await?;
                     Ok(out)
                 })

@@ -7,9 +7,12 @@
 //! step tests drive is the path the daemon runs. What becomes of each mail is
 //! decided by one pure function, [`outcome::decide`].
 //!
-//! - [`pipeline`]: the job queue, the lanes, the group commit, the drain.
+//! - [`pipeline`]: the lanes, the group commit, the drain.
+//! - [`queue`]: the claimed rows waiting for a lane.
+//! - [`report`]: one log line per outcome, in the mail's span.
 //! - [`outcome`]: the outcome policy (DESIGN §2).
 //! - [`relay`]: the relay gate: pauses and probes while the relay is down.
+//! - [`routing`]: probing the relay, the fallback relay, the staging redirect.
 //! - [`pace`]: `worker.rate_limit`, domain and relay throttling.
 //! - [`held`]: the rows this process holds.
 //! - [`chores`]: lock renewal, stale-lock sweeps, purge, watchdog.
@@ -20,8 +23,11 @@ mod held;
 pub mod outcome;
 pub mod pace;
 mod pipeline;
+mod queue;
 pub mod relay;
+mod report;
 pub mod retry;
+mod routing;
 
 use std::{
     sync::{
@@ -41,13 +47,13 @@ use crate::{
     smtp::Transport,
     store::{BatchLock, Claim, FinalAction, QueuedMail, Store, StoreError},
     systemd,
-    telemetry::redact_addresses,
 };
 
 use held::Held;
 use outcome::Policy;
 use pace::{Pace, Throttles};
-use pipeline::{JobQueue, Stop};
+use pipeline::Stop;
+use queue::JobQueue;
 use relay::RelayGate;
 
 /// What [`Worker::process_batch`] did.
@@ -86,7 +92,7 @@ pub struct Worker {
     transport: Arc<Transport>,
     settings: WorkerSettings,
     retention: RetentionSettings,
-    defaults: MessageDefaults,
+    defaults: Arc<MessageDefaults>,
     message_id_domain: String,
     policy: Policy,
     metrics: Arc<Metrics>,
@@ -127,7 +133,7 @@ impl Worker {
             transport,
             settings,
             retention,
-            defaults,
+            defaults: Arc::new(defaults),
             message_id_domain,
             relay: RelayGate::default(),
             throttles: Throttles::default(),
@@ -212,6 +218,7 @@ impl Worker {
             chores.spawn(self.clone().watchdog(interval, background.clone()));
         }
         chores.spawn(self.clone().sweep(background.clone()));
+        chores.spawn(self.clone().probe_relay(background.clone()));
         chores.spawn(self.clone().purge(background.clone()));
 
         let queue = Arc::new(JobQueue::default());
@@ -240,7 +247,7 @@ impl Worker {
     /// Claims up to `limit` due rows under a fresh batch lock.
     async fn claim(&self, limit: usize) -> Result<Vec<QueuedMail>, StoreError> {
         let claim = Claim {
-            lock: BatchLock::new(),
+            lock: BatchLock::generate(),
             limit,
             max_age: self.settings.max_age,
             message_id_domain: &self.message_id_domain,
@@ -252,30 +259,6 @@ impl Worker {
         // important ones first.
         mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
         Ok(mails)
-    }
-
-    /// Whether rows may be claimed for the relay now: not while it is paused;
-    /// after a pause for an unreachable relay, only once a probe (connect,
-    /// EHLO, QUIT) finds it answering.
-    async fn relay_ready(&self) -> bool {
-        if self.relay.paused_for().is_some() {
-            return false;
-        }
-        if !self.relay.wants_probe() {
-            return true;
-        }
-        match self.transport.probe().await {
-            Ok(_) => {
-                self.relay.probed();
-                true
-            }
-            Err(e) => {
-                let reason = redact_addresses(&e.to_string());
-                self.relay.trip(&reason, e.needs_operator(), true, e.code());
-                self.metrics.relay_down(&reason);
-                false
-            }
-        }
     }
 
     /// How many claimed rows this daemon may hold at once: enough to keep

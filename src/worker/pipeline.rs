@@ -10,30 +10,22 @@
 //! `worker.shutdown_timeout`; after that they are cut off and judged by the
 //! stage they reached (after "." is ambiguous, before it is released).
 
-use std::{
-    collections::VecDeque,
-    panic::AssertUnwindSafe,
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::{panic::AssertUnwindSafe, sync::Arc, time::Duration};
 
 use futures_util::FutureExt;
-use tokio::{
-    sync::{mpsc, Notify},
-    task::JoinSet,
-    time::Instant,
-};
+use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    mail::{self, PreparedMail},
+    mail::{self, MailError, PreparedMail},
     smtp::{Outgoing, Session},
     store::{FinalAction, Finalize, QueuedMail, StoreError},
-    telemetry::redact_addresses,
 };
 
 use super::{
     outcome::{self, Attempt, CutOff, Decision, Hold, RelaySignal, Row},
+    queue::JobQueue,
+    report::{log_outcome, panic_text},
     retry, BatchReport, Worker,
 };
 
@@ -41,60 +33,9 @@ use super::{
 const FINALIZE_LINGER: Duration = Duration::from_millis(5);
 /// Most outcomes in one statement.
 const MAX_GROUP: usize = 1000;
-
-/// Claimed rows in claim order, shared by the lanes.
-#[derive(Default)]
-pub(super) struct JobQueue {
-    jobs: Mutex<VecDeque<QueuedMail>>,
-    ready: Notify,
-    /// No more rows will come: lanes stop once it is empty.
-    closed: std::sync::atomic::AtomicBool,
-}
-
-impl JobQueue {
-    pub(super) fn push(&self, mails: impl IntoIterator<Item = QueuedMail>) {
-        self.jobs.lock().unwrap().extend(mails);
-        self.ready.notify_waiters();
-    }
-
-    fn pop(&self) -> Option<QueuedMail> {
-        self.jobs.lock().unwrap().pop_front()
-    }
-
-    pub(super) fn close(&self) {
-        self.closed
-            .store(true, std::sync::atomic::Ordering::Relaxed);
-        self.ready.notify_waiters();
-    }
-
-    /// Everything still queued, taken out.
-    pub(super) fn drain(&self) -> Vec<QueuedMail> {
-        self.jobs.lock().unwrap().drain(..).collect()
-    }
-
-    /// The next row, waiting for one; `None` once `stop` fires, or the queue
-    /// is closed and empty.
-    async fn next(&self, stop: &CancellationToken) -> Option<QueuedMail> {
-        loop {
-            let notified = self.ready.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if stop.is_cancelled() {
-                return None;
-            }
-            if let Some(job) = self.pop() {
-                return Some(job);
-            }
-            if self.closed.load(std::sync::atomic::Ordering::Relaxed) {
-                return None;
-            }
-            tokio::select! {
-                _ = stop.cancelled() => return None,
-                _ = notified => {}
-            }
-        }
-    }
-}
+/// Bodies up to this size (text and HTML together) are built on the lane's
+/// own thread when no signature is needed.
+const BUILD_IN_PLACE_LIMIT: usize = 64 * 1024;
 
 /// A claimed row with its message built, or the reason it cannot be.
 pub(super) struct Ready {
@@ -126,6 +67,8 @@ pub(super) struct Done {
     pub(super) send_time: Option<Duration>,
     /// Recipient domains, for the log line (never the full address).
     pub(super) domains: String,
+    /// Which relay took it (`primary`, `fallback`), when one did.
+    pub(super) relay: Option<&'static str>,
 }
 
 /// The signals that stop a pipeline.
@@ -165,7 +108,7 @@ impl Worker {
                             }
                         }
                     };
-                    self.ready(job)
+                    self.ready(job).await
                 }
             };
             if stop.taking.is_cancelled() {
@@ -174,7 +117,10 @@ impl Worker {
                 let _ = results.send(done);
                 continue;
             }
-            let next = queue.pop().map(|job| self.ready(job));
+            let next = match queue.pop() {
+                Some(job) => Some(self.ready(job).await),
+                None => None,
+            };
             let session = session.get_or_insert_with(|| self.transport.session());
             let since = self.relay.successes();
             let started = std::time::Instant::now();
@@ -231,14 +177,39 @@ impl Worker {
         }
     }
 
-    /// Builds a row's message, or finds it cannot be sent.
-    fn ready(&self, mail: QueuedMail) -> Ready {
-        let prepared = if mail.expired {
-            Err(Attempt::Expired)
-        } else {
-            mail::prepare(&mail, &self.defaults).map_err(Attempt::Invalid)
-        };
-        Ready { mail, prepared }
+    /// Builds a row's message, or finds it cannot be sent. A DKIM signature
+    /// (an RSA signature is about a millisecond of CPU) and a large body are
+    /// built on the blocking pool, so that they never hold up the lanes'
+    /// network work on the async threads; a small unsigned mail takes
+    /// microseconds and is built in place.
+    async fn ready(&self, mail: QueuedMail) -> Ready {
+        if mail.expired {
+            return Ready {
+                mail,
+                prepared: Err(Attempt::Expired),
+            };
+        }
+        let size = mail.body.as_ref().map_or(0, String::len)
+            + mail.body_html.as_ref().map_or(0, String::len);
+        if self.defaults.dkim.is_none() && size < BUILD_IN_PLACE_LIMIT {
+            let prepared = mail::prepare(&mail, &self.defaults).map_err(Attempt::Invalid);
+            return Ready { mail, prepared };
+        }
+        let defaults = self.defaults.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let prepared =
+                std::panic::catch_unwind(AssertUnwindSafe(|| mail::prepare(&mail, &defaults)))
+                    .unwrap_or_else(|panic| Err(MailError::Build(panic_text(&panic))));
+            (mail, prepared)
+        })
+        .await;
+        // Panics are caught inside; a build is cancelled only when the runtime
+        // itself goes away, and the lanes with it.
+        let (mail, prepared) = built.expect("the blocking pool outlives the lanes");
+        Ready {
+            mail,
+            prepared: prepared.map_err(Attempt::Invalid),
+        }
     }
 
     /// How far one mail gets: held back, or sent through `session`.
@@ -293,11 +264,13 @@ impl Worker {
             relay_down_count: mail.relay_down_count,
         };
         let decision = outcome::decide(&attempt, row, view, &self.policy, retry::jitter());
-        let (mut smtp_code, mut reply) = (None, None);
+        let (mut smtp_code, mut reply, mut relay) = (None, None, None);
         match &attempt {
             Attempt::Delivered(d) => {
                 smtp_code = Some(d.code);
                 reply = Some(d.reply.clone());
+                relay = Some(d.relay.as_str());
+                self.metrics.sent_through(d.relay);
                 self.throttles.went_through(domain_names());
                 self.pace.went_through();
             }
@@ -318,10 +291,7 @@ impl Worker {
                 let Attempt::Failed(e) = &attempt else {
                     unreachable!("only a failed send says the relay is down")
                 };
-                let reason = redact_addresses(&e.to_string());
-                self.relay
-                    .trip(&reason, needs_operator, !e.stage.in_transaction(), e.code());
-                self.metrics.relay_down(&reason);
+                self.relay_unavailable(e, needs_operator, !e.stage.in_transaction());
             }
             RelaySignal::ConfigFault => tracing::error!(
                 mail_id = mail.id,
@@ -339,6 +309,7 @@ impl Worker {
             reply,
             send_time,
             domains: domains.join(","),
+            relay,
         }
     }
 
@@ -458,7 +429,7 @@ impl Worker {
         if stopping {
             // Rows never started go back at once.
             for mail in queue.drain() {
-                let ready = self.ready(mail);
+                let ready = self.ready(mail).await;
                 let _ =
                     results.send(self.judge(&ready, Attempt::Held(Hold::ShuttingDown), None, 0));
             }
@@ -531,65 +502,5 @@ impl Worker {
             count = rows.len(),
             "database unavailable at shutdown: mails stay locked; any daemon releases them after worker.lock_timeout"
         );
-    }
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
-}
-
-fn log_outcome(d: &Done, written: bool) {
-    let (id, lock, attempt) = (d.id, d.lock.to_string(), d.attempt);
-    if !written {
-        tracing::warn!(
-            mail_id = id,
-            lock,
-            attempt,
-            "mail lock lost: outcome not written"
-        );
-        return;
-    }
-    let outcome = d.decision.logged.as_str();
-    let smtp_code = d.smtp_code;
-    let elapsed_ms = d.send_time.map(|t| t.as_millis() as u64);
-    let domain = d.domains.as_str();
-    match &d.decision.action {
-        FinalAction::Sent => {
-            let reply = d.reply.as_deref().map(redact_addresses);
-            tracing::info!(
-                mail_id = id,
-                lock,
-                attempt,
-                outcome,
-                smtp_code,
-                elapsed_ms,
-                domain,
-                reply,
-                "mail sent"
-            )
-        }
-        FinalAction::Retry { delay, error, .. } => {
-            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
-                retry_in_ms = delay.as_millis() as u64, error = %redact_addresses(error), "mail retry scheduled")
-        }
-        FinalAction::Defer { delay, error, .. } => {
-            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
-                retry_in_ms = delay.as_millis() as u64, error = %redact_addresses(error), "mail deferred")
-        }
-        FinalAction::Failed { error, .. } => {
-            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
-                error = %redact_addresses(error), "mail failed")
-        }
-        FinalAction::Unknown { error } => {
-            tracing::warn!(mail_id = id, lock, attempt, outcome, smtp_code, elapsed_ms, domain,
-                error = %redact_addresses(error), "mail held as unknown")
-        }
-        FinalAction::Release => {
-            tracing::info!(mail_id = id, lock, attempt, outcome, "mail released")
-        }
     }
 }

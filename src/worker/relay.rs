@@ -73,6 +73,18 @@ impl RelayGate {
         (until > now).then(|| until - now)
     }
 
+    /// How long ago the last mail went through, if one did.
+    pub fn last_success_age(&self) -> Option<Duration> {
+        match self.last_success_ms.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Some(
+                self.born
+                    .elapsed()
+                    .saturating_sub(Duration::from_millis(ms)),
+            ),
+        }
+    }
+
     /// Whether the relay answered the last attempt (for health checks).
     pub fn is_up(&self) -> bool {
         !self.troubled.load(Ordering::Relaxed)

@@ -1,0 +1,413 @@
+//! DESIGN §2 row by row: each test is one line of the table.
+use super::*;
+use crate::smtp::Reply;
+
+fn policy() -> Policy {
+    Policy {
+        ambiguous: Ambiguous::Resend,
+        retry_base: Duration::from_secs(60),
+        retry_max: Duration::from_secs(3600),
+        relay_down_limit: 3,
+    }
+}
+
+fn row(attempts_remaining: i32) -> Row {
+    Row {
+        attempts: 5 - attempts_remaining,
+        attempts_remaining,
+        relay_down_count: 0,
+    }
+}
+
+fn replied(stage: Stage, code: u16, text: &str) -> Attempt {
+    Attempt::Failed(SendError::replied(
+        stage,
+        Reply {
+            code,
+            text: text.into(),
+        },
+    ))
+}
+
+fn broke(stage: Stage) -> Attempt {
+    Attempt::Failed(SendError::broke(stage, "connection reset"))
+}
+
+fn decide_alone(attempt: &Attempt, row: Row) -> Decision {
+    decide(attempt, row, RelayView::default(), &policy(), 0.5)
+}
+
+fn action_name(a: &FinalAction) -> &'static str {
+    match a {
+        FinalAction::Sent => "sent",
+        FinalAction::Retry { .. } => "retry",
+        FinalAction::Failed { .. } => "failed",
+        FinalAction::Unknown { .. } => "unknown",
+        FinalAction::Release => "release",
+        FinalAction::Defer { .. } => "defer",
+    }
+}
+
+/// DESIGN §2's table: each case with the row's final state.
+#[test]
+fn the_failure_table() {
+    let down = RelaySignal::Down {
+        needs_operator: false,
+    };
+    let operator = RelaySignal::Down {
+        needs_operator: true,
+    };
+    let cases: Vec<(&str, Attempt, &str, RelaySignal)> = vec![
+        (
+            "250",
+            Attempt::Delivered(Delivered {
+                relay: Default::default(),
+                code: 250,
+                reply: "ok".into(),
+            }),
+            "sent",
+            RelaySignal::WentThrough,
+        ),
+        ("connection refused", broke(Stage::Connect), "release", down),
+        ("greeting timeout", broke(Stage::Greeting), "release", down),
+        ("TLS failure", broke(Stage::Tls), "release", operator),
+        (
+            "AUTH rejected",
+            replied(Stage::Auth, 535, "5.7.8 no"),
+            "release",
+            operator,
+        ),
+        (
+            "AUTH 454",
+            replied(Stage::Auth, 454, "4.7.0 later"),
+            "release",
+            down,
+        ),
+        (
+            "421 greeting",
+            replied(Stage::Greeting, 421, "busy"),
+            "release",
+            down,
+        ),
+        (
+            "4xx greeting",
+            replied(Stage::Greeting, 450, "busy"),
+            "release",
+            down,
+        ),
+        (
+            "554 greeting",
+            replied(Stage::Greeting, 554, "no service"),
+            "release",
+            down,
+        ),
+        (
+            "451 MAIL",
+            replied(Stage::MailFrom, 451, "later"),
+            "retry",
+            RelaySignal::Quiet,
+        ),
+        (
+            "450 RCPT",
+            replied(Stage::RcptTo, 450, "later"),
+            "retry",
+            RelaySignal::Quiet,
+        ),
+        (
+            "451 DATA",
+            replied(Stage::Data, 451, "later"),
+            "retry",
+            RelaySignal::Quiet,
+        ),
+        (
+            "451 after dot",
+            replied(Stage::AfterDot, 451, "later"),
+            "retry",
+            RelaySignal::Quiet,
+        ),
+        (
+            "drop at RCPT",
+            broke(Stage::RcptTo),
+            "retry",
+            RelaySignal::Quiet,
+        ),
+        (
+            "drop in the body",
+            broke(Stage::Body),
+            "retry",
+            RelaySignal::Quiet,
+        ),
+        (
+            "550 RCPT",
+            replied(Stage::RcptTo, 550, "unknown"),
+            "failed",
+            RelaySignal::Quiet,
+        ),
+        (
+            "554 after dot",
+            replied(Stage::AfterDot, 554, "spam"),
+            "failed",
+            RelaySignal::Quiet,
+        ),
+        (
+            "500 MAIL",
+            replied(Stage::MailFrom, 500, "no"),
+            "failed",
+            RelaySignal::Quiet,
+        ),
+        (
+            "drop after dot",
+            broke(Stage::AfterDot),
+            "retry",
+            RelaySignal::Quiet,
+        ),
+        (
+            "invalid address",
+            Attempt::Invalid(MailError::NoRecipient),
+            "failed",
+            RelaySignal::Quiet,
+        ),
+        ("expired", Attempt::Expired, "failed", RelaySignal::Quiet),
+        (
+            "relay paused",
+            Attempt::Held(Hold::RelayPaused),
+            "release",
+            RelaySignal::Quiet,
+        ),
+    ];
+    for (what, attempt, expected, signal) in cases {
+        let d = decide_alone(&attempt, row(4));
+        assert_eq!(action_name(&d.action), expected, "{what}");
+        assert_eq!(d.relay, signal, "{what}");
+    }
+}
+
+#[test]
+fn transient_failures_fail_when_no_attempt_remains() {
+    let d = decide_alone(&replied(Stage::RcptTo, 451, "later"), row(0));
+    assert!(matches!(d.action, FinalAction::Failed { .. }), "{d:?}");
+    let d = decide_alone(&replied(Stage::RcptTo, 451, "later"), row(2));
+    match d.action {
+        // Third try: 1m doubled twice.
+        FinalAction::Retry { delay, error, .. } => {
+            assert_eq!(delay, Duration::from_secs(240));
+            assert_eq!(error, "RCPT TO: 451 later");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn a_lost_reply_after_the_dot_is_resent_or_held() {
+    let d = decide_alone(&broke(Stage::AfterDot), row(4));
+    assert!(matches!(d.action, FinalAction::Retry { .. }));
+    assert_eq!(d.logged, Logged::Ambiguous);
+    let hold = Policy {
+        ambiguous: Ambiguous::Hold,
+        ..policy()
+    };
+    let d = decide(
+        &broke(Stage::AfterDot),
+        row(4),
+        RelayView::default(),
+        &hold,
+        0.5,
+    );
+    assert!(matches!(d.action, FinalAction::Unknown { .. }));
+    // The last attempt's reply was lost: unknown, whatever the setting.
+    let d = decide_alone(&broke(Stage::AfterDot), row(0));
+    assert!(matches!(d.action, FinalAction::Unknown { .. }));
+}
+
+#[test]
+fn a_send_cut_off_is_judged_by_the_stage_it_reached() {
+    for stage in [Stage::Connect, Stage::RcptTo, Stage::Data, Stage::Body] {
+        let cut = Attempt::CutOff {
+            stage,
+            by: CutOff::Shutdown,
+        };
+        assert_eq!(
+            decide_alone(&cut, row(4)).action,
+            FinalAction::Release,
+            "{stage:?}"
+        );
+    }
+    let after_dot = Attempt::CutOff {
+        stage: Stage::AfterDot,
+        by: CutOff::Shutdown,
+    };
+    let d = decide_alone(&after_dot, row(4));
+    assert!(matches!(d.action, FinalAction::Retry { .. }), "{d:?}");
+    assert_eq!(d.logged, Logged::Ambiguous);
+    let hold = Policy {
+        ambiguous: Ambiguous::Hold,
+        ..policy()
+    };
+    let d = decide(&after_dot, row(4), RelayView::default(), &hold, 0.5);
+    assert!(matches!(d.action, FinalAction::Unknown { .. }), "{d:?}");
+    // A crash before "." spends the attempt: a poison row cannot loop.
+    let crash = Attempt::CutOff {
+        stage: Stage::Body,
+        by: CutOff::Crash,
+    };
+    assert!(matches!(
+        decide_alone(&crash, row(4)).action,
+        FinalAction::Retry { .. }
+    ));
+    assert!(matches!(
+        decide_alone(&crash, row(0)).action,
+        FinalAction::Failed { .. }
+    ));
+}
+
+#[test]
+fn one_row_that_keeps_drawing_421_is_deferred_then_spends() {
+    let others = RelayView {
+        others_went_through: true,
+        refusals_in_a_row: 0,
+    };
+    let refusal = replied(Stage::RcptTo, 421, "4.7.0 try later");
+    for count in 0..3 {
+        let r = Row {
+            relay_down_count: count,
+            ..row(4)
+        };
+        let d = decide(&refusal, r, others, &policy(), 0.5);
+        match &d.action {
+            FinalAction::Defer {
+                delay,
+                counted: true,
+                error,
+            } => {
+                assert_eq!(*delay, Duration::from_secs(60) * (1 << count));
+                assert!(error.starts_with("RCPT TO: 421 4.7.0"), "{error}");
+            }
+            other => panic!("deferral {count}: {other:?}"),
+        }
+        assert_eq!(d.relay, RelaySignal::Quiet, "others go through: no pause");
+    }
+    let r = Row {
+        relay_down_count: 3,
+        ..row(4)
+    };
+    let d = decide(&refusal, r, others, &policy(), 0.5);
+    assert!(
+        matches!(
+            d.action,
+            FinalAction::Retry {
+                relay_down: true,
+                ..
+            }
+        ),
+        "{d:?}"
+    );
+    let r = Row {
+        relay_down_count: 5,
+        ..row(0)
+    };
+    let d = decide(&refusal, r, others, &policy(), 0.5);
+    assert!(matches!(d.action, FinalAction::Failed { .. }), "{d:?}");
+}
+
+#[test]
+fn refusals_of_several_mails_in_a_row_pause_the_relay() {
+    let refusal = replied(Stage::MailFrom, 421, "4.3.2 too busy");
+    let first = decide(&refusal, row(4), RelayView::default(), &policy(), 0.5);
+    assert!(
+        matches!(first.action, FinalAction::Defer { counted: false, .. }),
+        "the first is moved out of the way, not blamed: {first:?}"
+    );
+    assert_eq!(first.relay, RelaySignal::Quiet);
+    let view = RelayView {
+        others_went_through: false,
+        refusals_in_a_row: 1,
+    };
+    let second = decide(&refusal, row(4), view, &policy(), 0.5);
+    assert_eq!(second.action, FinalAction::Release);
+    assert_eq!(
+        second.relay,
+        RelaySignal::Down {
+            needs_operator: false
+        }
+    );
+    // A refused connection is never one row's fault.
+    let view = RelayView {
+        others_went_through: true,
+        refusals_in_a_row: 0,
+    };
+    let d = decide(&broke(Stage::Connect), row(4), view, &policy(), 0.5);
+    assert_eq!(d.action, FinalAction::Release);
+}
+
+#[test]
+fn a_configuration_fault_never_burns_a_mail() {
+    let d = decide_alone(&Attempt::Invalid(MailError::NoSender), row(0));
+    assert!(
+        matches!(d.action, FinalAction::Defer { counted: false, .. }),
+        "{d:?}"
+    );
+    assert_eq!(d.relay, RelaySignal::ConfigFault);
+}
+
+#[test]
+fn throttled_domains_defer_without_spending() {
+    let held = Attempt::Held(Hold::DomainThrottled {
+        domain: "example.org".into(),
+        wait: Duration::from_secs(2),
+    });
+    match decide_alone(&held, row(4)).action {
+        FinalAction::Defer {
+            delay,
+            counted: false,
+            error,
+        } => {
+            assert_eq!(delay, Duration::from_secs(2));
+            assert_eq!(error, "deferred: example.org asked to slow down");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn failures_are_counted_by_stage_and_code_or_kind() {
+    let cases = [
+        ("RCPT TO: 550 5.1.1 <***@x.org>: unknown", "RCPT TO 550"),
+        ("end of data: 554 5.7.1 spam", "end of data 554"),
+        ("MAIL FROM: 451 4.3.0 try later", "MAIL FROM 451"),
+        (
+            "RCPT TO: 421 4.7.0 later (deferred: 1 of 3 while other mails went through)",
+            "RCPT TO 421",
+        ),
+        ("expired", "expired"),
+        (
+            "no reply after end of data: timed out after 10m",
+            "no reply after \".\"",
+        ),
+        (
+            "lock expired: the worker stopped during the last attempt",
+            "worker lost",
+        ),
+        (
+            "DATA: connection lost before end of data: reset",
+            "connection lost",
+        ),
+        (
+            "deferred: example.org asked to slow down",
+            "domain throttled",
+        ),
+        ("invalid address in to_address: …", "invalid mail"),
+        ("CR or LF in subject", "invalid mail"),
+    ];
+    for (error, kind) in cases {
+        assert_eq!(failure_kind(error), kind, "{error}");
+    }
+    // What the SMTP client writes is what status reads.
+    let e = SendError::replied(
+        Stage::RcptTo,
+        Reply {
+            code: 550,
+            text: "unknown".into(),
+        },
+    );
+    assert_eq!(failure_kind(&e.to_string()), "RCPT TO 550");
+}
