@@ -69,14 +69,9 @@ impl PgStore {
     }
 }
 
+// `tablemail_due` (migration 0003) picks the rows in index order whatever the
+// statistics say; the rows are then updated through the primary key.
 const CLAIM: &str = r#"
-WITH picked AS MATERIALIZED (
-    SELECT id FROM mail_queue
-    WHERE status = 'queued' AND send_at <= now()
-    ORDER BY priority DESC, send_at, id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
 UPDATE mail_queue AS m
 SET status = 'sending',
     thread_lock = $2,
@@ -84,8 +79,7 @@ SET status = 'sending',
     attempts = m.attempts + 1,
     attempts_remaining = m.attempts_remaining - 1,
     message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
-FROM picked
-WHERE m.id = picked.id
+WHERE m.id = ANY(ARRAY(SELECT tablemail_due($1::int)))
 RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count,
           m.from_name, m.from_address, m.to_address, m.cc, m.bcc, m.reply_to, m.subject,
           m.body, m.body_html, m.headers::text AS headers, m.message_id,
