@@ -123,7 +123,12 @@ async fn relay_unavailable_refunds_the_attempt(db: TestDb) {
         db.make_due().await;
         assert_eq!(worker.process_batch().await.unwrap().claimed, 0);
         for id in ids {
-            assert_eq!(db.row(id).await.attempts, 0);
+            let row = db.row(id).await;
+            assert_eq!(
+                (row.status.as_str(), row.attempts, row.attempts_remaining),
+                ("queued", 0, 5),
+                "{flags:?}: claimed once, refunded, then left alone"
+            );
         }
         db.exec("UPDATE mail_queue SET status = 'cancelled'").await;
     }
@@ -314,7 +319,7 @@ async fn starttls_is_required_and_verified(db: TestDb) {
     // A certificate nobody vouches for: relay unavailable, nothing spent.
     let worker_strict = worker(&db, &settings(&db, &url));
     assert_eq!(worker_strict.process_batch().await.unwrap().released, 1);
-    assert_eq!(db.row(id).await.attempts, 0);
+    refunded(&db, id).await;
     assert!(tls.attempts().is_empty());
 
     // A server without STARTTLS: never falls back to plain text.
@@ -328,7 +333,7 @@ async fn starttls_is_required_and_verified(db: TestDb) {
     );
     assert_eq!(worker_plain.process_batch().await.unwrap().released, 1);
     assert!(plain.attempts().is_empty(), "a mail went out in plain text");
-    assert_eq!(db.row(id).await.attempts, 0);
+    refunded(&db, id).await;
 
     // Trusting the test certificate: delivered over TLS (the server refuses
     // MAIL before STARTTLS).
@@ -357,7 +362,7 @@ async fn implicit_tls_is_verified(db: TestDb) {
             .released,
         1
     );
-    assert_eq!(db.row(id).await.attempts, 0);
+    refunded(&db, id).await;
     let mut s = settings(&db, &url);
     s.transport.accept_invalid_certs = true;
     assert_eq!(worker(&db, &s).process_batch().await.unwrap().sent, 1);
@@ -569,5 +574,15 @@ async fn sigkill_loses_nothing(db: TestDb) {
     assert!(
         duplicates as i64 <= in_flight_at_kills,
         "duplicates {duplicates} > mails in flight at the kills {in_flight_at_kills}"
+    );
+}
+
+/// A row the relay never took: claimed (an attempt spent), then given back
+/// with the attempt refunded, due again.
+async fn refunded(db: &TestDb, id: i64) {
+    let row = db.row(id).await;
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.attempts_remaining),
+        ("queued", 0, 5)
     );
 }
