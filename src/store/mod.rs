@@ -152,6 +152,30 @@ pub struct Claim<'a> {
     pub message_id_domain: &'a str,
 }
 
+/// What every backend's claim statement binds, owned so that it moves into
+/// the statement's future.
+pub(crate) struct ClaimBinds {
+    /// Makes the assigned Message-IDs unique across claims.
+    pub nonce: String,
+    pub lock: BatchLock,
+    pub limit: i64,
+    pub domain: String,
+    /// `max_age` in the backend's unit.
+    pub max_age: i64,
+}
+
+impl Claim<'_> {
+    pub(crate) fn binds(&self, unit: fn(Duration) -> i64) -> ClaimBinds {
+        ClaimBinds {
+            nonce: uuid::Uuid::new_v4().simple().to_string(),
+            lock: self.lock,
+            limit: self.limit as i64,
+            domain: self.message_id_domain.to_string(),
+            max_age: unit(self.max_age),
+        }
+    }
+}
+
 /// A claimed row: status `sending`, held by `lock`, attempt already spent.
 #[derive(Debug, Clone)]
 pub struct QueuedMail {

@@ -13,7 +13,6 @@ use sqlx::{
     mysql::{MySqlConnectOptions, MySqlPoolOptions},
     AssertSqlSafe, ConnectOptions as _, Connection, Executor, Row,
 };
-use uuid::Uuid;
 
 use super::{
     migrations::{self, MYSQL},
@@ -235,18 +234,13 @@ impl Store for MySqlStore {
     }
 
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
-        let nonce = Uuid::new_v4().simple().to_string();
-        let (lock, limit) = (claim.lock, claim.limit as i64);
-        let (domain, max_age) = (
-            claim.message_id_domain.to_string(),
-            shared::micros(claim.max_age),
-        );
+        let b = claim.binds(shared::micros);
         self.shared
             .run(|c| {
                 Box::pin(async move {
                     let mut tx = c.begin().await?;
                     let ids: Vec<i64> = sqlx::query_scalar(PICK_DUE)
-                        .bind(limit)
+                        .bind(b.limit)
                         .fetch_all(&mut *tx)
                         .await?;
                     if ids.is_empty() {
@@ -255,22 +249,22 @@ impl Store for MySqlStore {
                     }
                     let list = in_list(ids.len());
                     let mut stamp = sqlx::query(AssertSqlSafe(format!("{STAMP}{list}")))
-                        .bind(lock.to_string())
-                        .bind(nonce)
-                        .bind(domain);
+                        .bind(b.lock.to_string())
+                        .bind(b.nonce)
+                        .bind(b.domain);
                     for id in &ids {
                         stamp = stamp.bind(*id);
                     }
                     stamp.execute(&mut *tx).await?;
                     let mut read =
-                        sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}"))).bind(max_age);
+                        sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}"))).bind(b.max_age);
                     for id in &ids {
                         read = read.bind(*id);
                     }
                     let rows = read.fetch_all(&mut *tx).await?;
                     let mails = rows
                         .iter()
-                        .map(|row| queued_mail(row, lock))
+                        .map(|row| queued_mail(row, b.lock))
                         .collect::<Result<Vec<_>, _>>()?;
                     // Nothing is sent unless this commit succeeds.
                     tx.commit().await?;

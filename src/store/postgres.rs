@@ -215,24 +215,19 @@ impl Store for PgStore {
     }
 
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
-        let nonce = Uuid::new_v4().simple().to_string();
-        let (lock, limit) = (claim.lock, claim.limit as i64);
-        let (domain, max_age) = (
-            claim.message_id_domain.to_string(),
-            shared::millis(claim.max_age),
-        );
+        let b = claim.binds(shared::millis);
         self.shared
             .run(|c| {
                 Box::pin(async move {
                     let rows = sqlx::query(CLAIM)
-                        .bind(limit)
-                        .bind(lock.0)
-                        .bind(nonce)
-                        .bind(domain)
-                        .bind(max_age)
+                        .bind(b.limit)
+                        .bind(b.lock.0)
+                        .bind(b.nonce)
+                        .bind(b.domain)
+                        .bind(b.max_age)
                         .fetch_all(&mut *c)
                         .await?;
-                    rows.iter().map(|row| queued_mail(row, lock)).collect()
+                    rows.iter().map(|row| queued_mail(row, b.lock)).collect()
                 })
             })
             .await

@@ -16,7 +16,6 @@ use sqlx::{
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
-use uuid::Uuid;
 
 use super::{
     migrations::{self, SQLITE},
@@ -210,24 +209,19 @@ impl Store for SqliteStore {
     }
 
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
-        let nonce = Uuid::new_v4().simple().to_string();
-        let (lock, limit) = (claim.lock, claim.limit as i64);
-        let (domain, max_age) = (
-            claim.message_id_domain.to_string(),
-            shared::millis(claim.max_age),
-        );
+        let b = claim.binds(shared::millis);
         self.shared
             .run(|c| {
                 Box::pin(async move {
                     let rows = sqlx::query(CLAIM)
-                        .bind(lock.to_string())
-                        .bind(nonce)
-                        .bind(domain)
-                        .bind(limit)
-                        .bind(max_age)
+                        .bind(b.lock.to_string())
+                        .bind(b.nonce)
+                        .bind(b.domain)
+                        .bind(b.limit)
+                        .bind(b.max_age)
                         .fetch_all(&mut *c)
                         .await?;
-                    rows.iter().map(|row| queued_mail(row, lock)).collect()
+                    rows.iter().map(|row| queued_mail(row, b.lock)).collect()
                 })
             })
             .await
@@ -352,6 +346,7 @@ impl Store for SqliteStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use uuid::Uuid;
 
     /// Group commits and lock renewals find their rows by rowid even when the
     /// statistics say no row is sending (ANALYZE taken on an idle queue).
