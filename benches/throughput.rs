@@ -26,7 +26,8 @@
 //!
 //! Options: `--database URL`, `--mails N` (50000), `--runs N` (3),
 //! `--samples N` (200), `--soak DURATION`, `--skip-claim-cost`,
-//! `--skip-latency`, `--skip-drain`, `--dkim` (sign every mail with a fresh RSA-2048 key),
+//! `--skip-latency`, `--skip-drain`, `--dkim` / `--dkim-ed25519` (sign every mail
+//! with a fresh RSA-2048 / Ed25519 key),
 //! `--bin PATH` (another build of the daemon, for before/after figures).
 
 use std::{
@@ -52,7 +53,8 @@ const BODY_BYTES: usize = 2048;
 struct Options {
     database: String,
     tablemail: PathBuf,
-    dkim: bool,
+    /// `rsa` or `ed25519`: sign every mail with a fresh key of that kind.
+    dkim: Option<&'static str>,
     mails: usize,
     runs: usize,
     samples: usize,
@@ -79,7 +81,13 @@ fn options() -> Options {
             || PathBuf::from(env!("CARGO_BIN_EXE_tablemail")),
             PathBuf::from,
         ),
-        dkim: args.iter().any(|a| a == "--dkim"),
+        dkim: if args.iter().any(|a| a == "--dkim-ed25519") {
+            Some("ed25519")
+        } else if args.iter().any(|a| a == "--dkim") {
+            Some("rsa")
+        } else {
+            None
+        },
         mails: value("--mails").map_or(50_000, |v| v.parse().expect("--mails N")),
         runs: value("--runs").map_or(3, |v| v.parse().expect("--runs N")),
         samples: value("--samples").map_or(200, |v| v.parse().expect("--samples N")),
@@ -988,16 +996,18 @@ fn line(label: impl std::fmt::Display, value: impl std::fmt::Display) {
     println!("{:<50} {:>26}", label.to_string(), value.to_string());
 }
 
-/// A DKIM key made by openssl for the run (`--dkim`).
-fn dkim_env(dir: &Path) -> Vec<(&'static str, String)> {
+/// A DKIM key made by openssl for the run (`--dkim`, `--dkim-ed25519`).
+fn dkim_env(dir: &Path, kind: &str) -> Vec<(&'static str, String)> {
     let key = dir.join("dkim.pem");
-    let made = Command::new("openssl")
-        .args(["genrsa", "-out"])
-        .arg(&key)
-        .arg("2048")
-        .output()
-        .expect("openssl");
-    assert!(made.status.success(), "openssl genrsa");
+    let mut openssl = Command::new("openssl");
+    match kind {
+        "rsa" => openssl.args(["genrsa", "-out"]).arg(&key).arg("2048"),
+        _ => openssl
+            .args(["genpkey", "-algorithm", "ed25519", "-out"])
+            .arg(&key),
+    };
+    let made = openssl.output().expect("openssl");
+    assert!(made.status.success(), "openssl: {made:?}");
     vec![
         ("TABLEMAIL__DKIM__DOMAIN", "example.com".into()),
         ("TABLEMAIL__DKIM__SELECTOR", "bench".into()),
@@ -1068,11 +1078,7 @@ async fn main() {
     let opts = options();
     let dir = scratch();
     let backend = Backend::of(&opts.database);
-    let env = if opts.dkim {
-        dkim_env(&dir)
-    } else {
-        Vec::new()
-    };
+    let env = opts.dkim.map_or_else(Vec::new, |kind| dkim_env(&dir, kind));
     let setup = Setup {
         target: &opts.database,
         tablemail: &opts.tablemail,
@@ -1086,10 +1092,10 @@ async fn main() {
         backend.name(),
         redact(&opts.database),
         opts.tablemail.display(),
-        if opts.dkim {
-            ", DKIM signing on (RSA 2048)"
-        } else {
-            ""
+        match opts.dkim {
+            Some("rsa") => ", DKIM signing with RSA-2048",
+            Some(_) => ", DKIM signing with Ed25519",
+            None => "",
         }
     );
     println!();

@@ -298,11 +298,11 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
         (None, Some(html)) => builder.singlepart(SinglePart::html(body(html))),
         (text, None) => builder.singlepart(SinglePart::plain(body(text.unwrap_or("")))),
     };
-    let mut message = built.map_err(|e| MailError::Build(e.to_string()))?;
+    let message = built.map_err(|e| MailError::Build(e.to_string()))?;
+    let mut bytes = message.formatted();
     if let Some(signer) = sign {
-        signer.sign(&mut message);
+        bytes = signer.sign(&bytes, chrono::Utc::now().timestamp());
     }
-    let bytes = message.formatted();
     if bytes.len() as u64 > defaults.max_message_size {
         return Err(MailError::TooLarge {
             size: bytes.len(),

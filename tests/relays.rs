@@ -370,6 +370,10 @@ async fn dkim_signatures_verify_at_the_receiver() {
         assert_ne!(dkim_verdict(&tampered, &record), "pass");
         let added = format!("Reply-To: thief@example.org\r\n{}", signed.data);
         assert_ne!(dkim_verdict(&added, &record), "pass");
+        let retyped = signed
+            .data
+            .replacen("multipart/alternative", "multipart/mixed", 1);
+        assert_ne!(dkim_verdict(&retyped, &record), "pass");
     }
 }
 
@@ -391,7 +395,7 @@ async fn a_bad_dkim_key_stops_the_start_with_a_clear_error() {
     std::fs::write(&junk, "not a key\n").unwrap();
     let missing = dir.path().join("missing.pem");
     for (file, says) in [
-        (&weak, "1024 bits is too weak"),
+        (&weak, "under 2048 bits is too weak"),
         (&junk, "not a PEM private key"),
         (&missing, "dkim.private_key_file"),
     ] {
