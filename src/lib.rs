@@ -11,7 +11,8 @@
 //! {smtp, mail, store}`; `config` builds the clients; `metrics` sees outcomes,
 //! never the worker.
 //! - [`store`]: one `Store` interface, SQL per database, shared code once.
-//! - [`mail`]: a claimed row -> the message's bytes and envelope, validated.
+//! - [`mail`]: a draft (a row's columns) -> the message's bytes and envelope,
+//!   validated and, when configured, DKIM-signed.
 //! - [`smtp`]: the stage-aware SMTP client, its pool and fallback relay, the
 //!   file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.

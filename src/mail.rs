@@ -12,8 +12,6 @@ use lettre::{
     Address, Message,
 };
 
-use crate::store::{BatchLock, NewMail, QueuedMail};
-
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum MailError {
     #[error("invalid address in {field}: {reason}")]
@@ -226,9 +224,29 @@ fn seven_bit_crlf(text: &str) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Builds the message of a claimed row.
-pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<PreparedMail, MailError> {
-    let from_address = match mail.from_address.as_deref() {
+/// What a message is built from: a row's columns, borrowed. The worker makes
+/// one from a claimed row, `tablemail enqueue` from a mail it is about to
+/// insert.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Draft<'a> {
+    pub from_name: Option<&'a str>,
+    pub from_address: Option<&'a str>,
+    pub to_address: &'a str,
+    pub cc: Option<&'a str>,
+    pub bcc: Option<&'a str>,
+    pub reply_to: Option<&'a str>,
+    pub subject: &'a str,
+    pub body: Option<&'a str>,
+    pub body_html: Option<&'a str>,
+    /// The `headers` column: a JSON object as text.
+    pub headers: Option<&'a str>,
+    /// Assigned at the first claim; `None` only while a new mail is checked.
+    pub message_id: Option<&'a str>,
+}
+
+/// Builds the message of a draft.
+pub fn prepare(mail: &Draft<'_>, defaults: &MessageDefaults) -> Result<PreparedMail, MailError> {
+    let from_address = match mail.from_address {
         Some(a) if !a.trim().is_empty() => {
             reject_line_breaks("from_address", a)?;
             a.trim()
@@ -240,7 +258,7 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
         }
         _ => defaults.from_address.clone().ok_or(MailError::NoSender)?,
     };
-    let from_name = mail.from_name.as_deref().or(defaults.from_name.as_deref());
+    let from_name = mail.from_name.or(defaults.from_name.as_deref());
     if let Some(name) = from_name {
         reject_line_breaks("from_name", name)?;
     }
@@ -250,16 +268,18 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
         .filter(|signer| signer.covers(from_address.domain()));
     let from = Mailbox::new(from_name.map(str::to_string), from_address);
 
-    let to = parse_list("to_address", Some(&mail.to_address))?;
-    let cc = parse_list("cc", mail.cc.as_deref())?;
-    let bcc = parse_list("bcc", mail.bcc.as_deref())?;
-    let reply_to = parse_list("reply_to", mail.reply_to.as_deref())?;
+    let to = parse_list("to_address", Some(mail.to_address))?;
+    let cc = parse_list("cc", mail.cc)?;
+    let bcc = parse_list("bcc", mail.bcc)?;
+    let reply_to = parse_list("reply_to", mail.reply_to)?;
     if to.is_empty() && cc.is_empty() && bcc.is_empty() {
         return Err(MailError::NoRecipient);
     }
-    reject_line_breaks("subject", &mail.subject)?;
-    reject_line_breaks("message_id", &mail.message_id)?;
-    let headers = extra_headers(mail.headers.as_deref())?;
+    reject_line_breaks("subject", mail.subject)?;
+    if let Some(id) = mail.message_id {
+        check_message_id(id)?;
+    }
+    let headers = extra_headers(mail.headers)?;
 
     let domains: BTreeSet<&str> = to
         .iter()
@@ -271,8 +291,8 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
 
     let mut builder = Message::builder()
         .from(from)
-        .subject(mail.subject.as_str())
-        .message_id(Some(mail.message_id.clone()));
+        .subject(mail.subject)
+        .message_id(mail.message_id.map(str::to_string));
     for m in to {
         builder = builder.to(m);
     }
@@ -291,7 +311,7 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
     }
     // lettre turns every line ending of a body into CRLF, so a bare LF cannot
     // smuggle an end-of-data sequence past the relay.
-    let built = match (mail.body.as_deref(), mail.body_html.as_deref()) {
+    let built = match (mail.body, mail.body_html) {
         (Some(text), Some(html)) => {
             builder.multipart(MultiPart::alternative_plain_html(body(text), body(html)))
         }
@@ -316,48 +336,15 @@ pub fn prepare(mail: &QueuedMail, defaults: &MessageDefaults) -> Result<Prepared
     })
 }
 
-/// Validates a mail before it is inserted, exactly as the worker will when it
-/// sends it, so `tablemail enqueue` refuses what could never go out.
-pub fn check_new(new: &NewMail, defaults: &MessageDefaults) -> Result<(), MailError> {
-    if new.attempts_remaining.is_some_and(|a| a < 1) {
+/// A Message-ID as the row may give it: `<left@right>`, one line.
+pub fn check_message_id(id: &str) -> Result<(), MailError> {
+    reject_line_breaks("message_id", id)?;
+    if !(id.starts_with('<') && id.ends_with('>') && id.contains('@')) {
         return Err(MailError::Field(
-            "attempts_remaining must be at least 1".into(),
+            "message_id must look like <id@domain>".into(),
         ));
     }
-    if let Some(id) = &new.message_id {
-        if !(id.starts_with('<') && id.ends_with('>') && id.contains('@')) {
-            return Err(MailError::Field(
-                "message_id must look like <id@domain>".into(),
-            ));
-        }
-    }
-    let preview = QueuedMail {
-        id: 0,
-        lock: BatchLock(uuid::Uuid::nil()),
-        priority: new.priority.unwrap_or(0),
-        attempts: 0,
-        attempts_remaining: 0,
-        relay_down_count: 0,
-        from_name: new.from_name.clone(),
-        from_address: new.from_address.clone(),
-        to_address: new.to_address.clone(),
-        cc: new.cc.clone(),
-        bcc: new.bcc.clone(),
-        reply_to: new.reply_to.clone(),
-        subject: new.subject.clone().unwrap_or_default(),
-        body: new.body.clone(),
-        body_html: new.body_html.clone(),
-        headers: new
-            .headers
-            .as_ref()
-            .map(|h| serde_json::Value::Object(h.clone()).to_string()),
-        message_id: new
-            .message_id
-            .clone()
-            .unwrap_or_else(|| "<check@localhost>".into()),
-        expired: false,
-    };
-    prepare(&preview, defaults).map(|_| ())
+    Ok(())
 }
 
 /// This host's name, for EHLO and the right-hand side of Message-IDs.
@@ -377,16 +364,43 @@ pub fn local_hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::BatchLock;
 
-    fn row() -> QueuedMail {
-        QueuedMail {
-            id: 7,
-            lock: BatchLock::generate(),
-            priority: 0,
-            attempts: 1,
-            attempts_remaining: 4,
-            relay_down_count: 0,
+    /// A row's columns, owned, for tests to change one at a time.
+    #[derive(Clone)]
+    struct Row {
+        from_name: Option<String>,
+        from_address: Option<String>,
+        to_address: String,
+        cc: Option<String>,
+        bcc: Option<String>,
+        reply_to: Option<String>,
+        subject: String,
+        body: Option<String>,
+        body_html: Option<String>,
+        headers: Option<String>,
+        message_id: String,
+    }
+
+    impl Row {
+        fn draft(&self) -> Draft<'_> {
+            Draft {
+                from_name: self.from_name.as_deref(),
+                from_address: self.from_address.as_deref(),
+                to_address: &self.to_address,
+                cc: self.cc.as_deref(),
+                bcc: self.bcc.as_deref(),
+                reply_to: self.reply_to.as_deref(),
+                subject: &self.subject,
+                body: self.body.as_deref(),
+                body_html: self.body_html.as_deref(),
+                headers: self.headers.as_deref(),
+                message_id: Some(&self.message_id),
+            }
+        }
+    }
+
+    fn row() -> Row {
+        Row {
             from_name: Some("Shop".into()),
             from_address: Some("shop@example.com".into()),
             to_address: "Ann <ann@example.org>, bob@example.net".into(),
@@ -398,7 +412,6 @@ mod tests {
             body_html: None,
             headers: Some(r#"{"X-Campaign":"spring"}"#.into()),
             message_id: "<abc.7@host.example>".into(),
-            expired: false,
         }
     }
 
@@ -417,7 +430,7 @@ mod tests {
 
     #[test]
     fn builds_headers_envelope_and_crlf_body() {
-        let p = prepare(&row(), &defaults()).unwrap();
+        let p = prepare(&row().draft(), &defaults()).unwrap();
         let t = text(&p);
         assert!(t.contains("From: Shop <shop@example.com>\r\n"), "{t}");
         assert!(t.contains("Message-ID: <abc.7@host.example>\r\n"), "{t}");
@@ -438,21 +451,21 @@ mod tests {
         let mut r = row();
         r.subject = "Hi\r\nBcc: victim@example.com".into();
         assert!(matches!(
-            prepare(&r, &defaults()),
+            prepare(&r.draft(), &defaults()),
             Err(MailError::LineBreak { .. })
         ));
 
         let mut r = row();
         r.to_address = "not an address".into();
         assert!(matches!(
-            prepare(&r, &defaults()),
+            prepare(&r.draft(), &defaults()),
             Err(MailError::InvalidAddress { .. })
         ));
 
         let mut r = row();
         r.to_address = "a@example.com, ???".into();
         assert!(matches!(
-            prepare(&r, &defaults()),
+            prepare(&r.draft(), &defaults()),
             Err(MailError::InvalidAddress { .. })
         ));
 
@@ -461,48 +474,51 @@ mod tests {
         r.cc = None;
         r.bcc = None;
         assert_eq!(
-            prepare(&r, &defaults()).unwrap_err(),
+            prepare(&r.draft(), &defaults()).unwrap_err(),
             MailError::NoRecipient
         );
 
         let mut r = row();
         r.headers = Some(r#"{"Bad Name":"x"}"#.into());
         assert!(matches!(
-            prepare(&r, &defaults()),
+            prepare(&r.draft(), &defaults()),
             Err(MailError::InvalidHeader { .. })
         ));
 
         let mut r = row();
         r.headers = Some(r#"{"X-Ok":"a\r\nBcc: b@example.com"}"#.into());
         assert!(matches!(
-            prepare(&r, &defaults()),
+            prepare(&r.draft(), &defaults()),
             Err(MailError::LineBreak { .. })
         ));
 
         let mut r = row();
         r.headers = Some(r#"{"Subject":"other"}"#.into());
         assert!(matches!(
-            prepare(&r, &defaults()),
+            prepare(&r.draft(), &defaults()),
             Err(MailError::InvalidHeader { .. })
         ));
 
         let mut r = row();
         r.body = Some("x".repeat(2_000_000));
         assert!(matches!(
-            prepare(&r, &defaults()),
+            prepare(&r.draft(), &defaults()),
             Err(MailError::TooLarge { .. })
         ));
 
         let mut r = row();
         r.from_address = None;
-        assert_eq!(prepare(&r, &defaults()).unwrap_err(), MailError::NoSender);
+        assert_eq!(
+            prepare(&r.draft(), &defaults()).unwrap_err(),
+            MailError::NoSender
+        );
     }
 
     #[test]
     fn quoted_display_names_may_hold_commas() {
         let mut r = row();
         r.to_address = r#""Doe, Jane" <jane@example.com>, x@example.com"#.into();
-        let p = prepare(&r, &defaults()).unwrap();
+        let p = prepare(&r.draft(), &defaults()).unwrap();
         assert_eq!(p.envelope.to().len(), 4);
     }
 
@@ -535,7 +551,7 @@ mod tests {
     fn html_and_text_make_alternative() {
         let mut r = row();
         r.body_html = Some("<p>Hello</p>".into());
-        let t = text(&prepare(&r, &defaults()).unwrap());
+        let t = text(&prepare(&r.draft(), &defaults()).unwrap());
         assert!(t.contains("multipart/alternative"), "{t}");
         assert!(t.contains("text/html"), "{t}");
     }

@@ -56,6 +56,40 @@ fn parse_send_at(s: &str) -> Result<DateTime<Utc>> {
     Ok(Utc::now() + delay)
 }
 
+/// Refuses a mail the worker could never send: the same checks and the same
+/// message builder the worker runs on the claimed row.
+fn check(
+    new: &NewMail,
+    defaults: &mail::MessageDefaults,
+) -> std::result::Result<(), mail::MailError> {
+    if new.attempts_remaining.is_some_and(|a| a < 1) {
+        return Err(mail::MailError::Field(
+            "attempts_remaining must be at least 1".into(),
+        ));
+    }
+    if let Some(id) = &new.message_id {
+        mail::check_message_id(id)?;
+    }
+    let headers = new
+        .headers
+        .as_ref()
+        .map(|h| serde_json::Value::Object(h.clone()).to_string());
+    let draft = mail::Draft {
+        from_name: new.from_name.as_deref(),
+        from_address: new.from_address.as_deref(),
+        to_address: &new.to_address,
+        cc: new.cc.as_deref(),
+        bcc: new.bcc.as_deref(),
+        reply_to: new.reply_to.as_deref(),
+        subject: new.subject.as_deref().unwrap_or_default(),
+        body: new.body.as_deref(),
+        body_html: new.body_html.as_deref(),
+        headers: headers.as_deref(),
+        message_id: new.message_id.as_deref(),
+    };
+    mail::prepare(&draft, defaults).map(|_| ())
+}
+
 pub(super) async fn enqueue(settings: &Settings, args: EnqueueArgs) -> Result<()> {
     let defaults = message_defaults(settings)?;
     let mails = if args.jsonl {
@@ -67,14 +101,14 @@ pub(super) async fn enqueue(settings: &Settings, args: EnqueueArgs) -> Result<()
             }
             let mail: NewMail = serde_json::from_str(&line)
                 .map_err(|e| CommandError::Usage(format!("line {}: {e}", n + 1)))?;
-            mail::check_new(&mail, &defaults)
+            check(&mail, &defaults)
                 .map_err(|e| CommandError::Usage(format!("line {}: {e}", n + 1)))?;
             mails.push(mail);
         }
         mails
     } else {
         let mail = mail_from_flags(args)?;
-        mail::check_new(&mail, &defaults).map_err(|e| CommandError::Usage(e.to_string()))?;
+        check(&mail, &defaults).map_err(|e| CommandError::Usage(e.to_string()))?;
         vec![mail]
     };
     let store = connect(settings).await?;

@@ -53,6 +53,23 @@ impl Ready {
     }
 }
 
+/// What the message of a claimed row is built from.
+fn draft(mail: &QueuedMail) -> mail::Draft<'_> {
+    mail::Draft {
+        from_name: mail.from_name.as_deref(),
+        from_address: mail.from_address.as_deref(),
+        to_address: &mail.to_address,
+        cc: mail.cc.as_deref(),
+        bcc: mail.bcc.as_deref(),
+        reply_to: mail.reply_to.as_deref(),
+        subject: &mail.subject,
+        body: mail.body.as_deref(),
+        body_html: mail.body_html.as_deref(),
+        headers: mail.headers.as_deref(),
+        message_id: Some(&mail.message_id),
+    }
+}
+
 /// One mail's fate, on its way to the group commit.
 pub(super) struct Done {
     pub(super) id: i64,
@@ -192,14 +209,15 @@ impl Worker {
         let size = mail.body.as_ref().map_or(0, String::len)
             + mail.body_html.as_ref().map_or(0, String::len);
         if self.defaults.dkim.is_none() && size < BUILD_IN_PLACE_LIMIT {
-            let prepared = mail::prepare(&mail, &self.defaults).map_err(Attempt::Invalid);
+            let prepared = mail::prepare(&draft(&mail), &self.defaults).map_err(Attempt::Invalid);
             return Ready { mail, prepared };
         }
         let defaults = self.defaults.clone();
         let built = tokio::task::spawn_blocking(move || {
-            let prepared =
-                std::panic::catch_unwind(AssertUnwindSafe(|| mail::prepare(&mail, &defaults)))
-                    .unwrap_or_else(|panic| Err(MailError::Build(panic_text(&panic))));
+            let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                mail::prepare(&draft(&mail), &defaults)
+            }))
+            .unwrap_or_else(|panic| Err(MailError::Build(panic_text(&panic))));
             (mail, prepared)
         })
         .await;
