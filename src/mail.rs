@@ -1,6 +1,8 @@
-//! A claimed row -> a lettre `Message`: address parsing, header validation and
-//! the size limit. Everything rejected here is a permanent failure that never
-//! opens an SMTP session.
+//! A [`Draft`] (a row's columns) -> the message's bytes and envelope: address
+//! parsing, header validation, DKIM and the size limit. Everything rejected
+//! here is a permanent failure that never opens an SMTP session.
+//!
+//! Over 500 lines with its tests (a third of it): the builder itself is short.
 
 use std::collections::BTreeSet;
 

@@ -516,8 +516,8 @@ async fn the_step_renews_its_locks_and_retries_its_commit() {
         .url
         .replacen(&format!(":{pg_port}/"), &format!(":{}/", db_proxy.port), 1);
     let options = tablemail::store::ConnectOptions {
-        max_connections: 4,
         statement_timeout: Duration::from_secs(2),
+        ..tablemail::store::ConnectOptions::new(4)
     };
     let store = tablemail::store::connect_with(&proxied, options)
         .await

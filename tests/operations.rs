@@ -313,25 +313,6 @@ async fn rate_limit_and_throttling_slow_the_daemon() {
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 }
 
-/// The packaging tools: present on the machine, or the test is skipped
-/// (a failure under CI=true, where scripts/test installs them).
-fn tool(name: &str) -> Option<String> {
-    let found = Command::new("sh")
-        .args(["-c", &format!("command -v {name}")])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    if found.is_none() {
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "{name} is missing under CI=true"
-        );
-        eprintln!("SKIPPED: {name} not installed");
-    }
-    found
-}
-
 #[test]
 fn the_systemd_unit_verifies_and_is_hardened() {
     let Some(analyze) = tool("systemd-analyze") else {

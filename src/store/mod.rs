@@ -467,11 +467,13 @@ pub enum Maintenance {
 }
 
 /// How to connect: `database.*`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ConnectOptions {
     pub max_connections: u32,
     /// Deadline of every call (`database.statement_timeout`).
     pub statement_timeout: Duration,
+    /// Overrides the URL's password (`database.password_file`).
+    pub password: Option<secrecy::SecretString>,
 }
 
 impl ConnectOptions {
@@ -479,6 +481,7 @@ impl ConnectOptions {
         ConnectOptions {
             max_connections,
             statement_timeout: Duration::from_secs(30),
+            password: None,
         }
     }
 }

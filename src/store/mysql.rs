@@ -9,6 +9,7 @@
 use std::{str::FromStr, time::Duration};
 
 use async_trait::async_trait;
+use secrecy::ExposeSecret;
 use sqlx::{
     mysql::{MySqlConnectOptions, MySqlPoolOptions},
     AssertSqlSafe, ConnectOptions as _, Connection, Executor, Row,
@@ -30,7 +31,11 @@ pub struct MySqlStore {
 
 impl MySqlStore {
     pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
-        let connect = MySqlConnectOptions::from_str(url)?
+        let mut connect = MySqlConnectOptions::from_str(url)?;
+        if let Some(password) = &options.password {
+            connect = connect.password(password.expose_secret());
+        }
+        let connect = connect
             .timezone(Some("+00:00".to_string()))
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));

@@ -1,10 +1,12 @@
 //! PostgreSQL, the reference backend: claims with `FOR UPDATE SKIP LOCKED` in
 //! one statement, finalizes many rows in one fenced statement, wakes idle
 //! daemons with LISTEN/NOTIFY, and vacuums the table when autovacuum does not.
+//! Its SQL is most of its length.
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
 use async_trait::async_trait;
+use secrecy::ExposeSecret;
 use sqlx::{
     postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions},
     ConnectOptions as _, Executor, Row,
@@ -31,7 +33,11 @@ pub struct PgStore {
 impl PgStore {
     /// Builds the pool without connecting; the first query connects.
     pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
-        let connect = PgConnectOptions::from_str(url)?
+        let mut connect = PgConnectOptions::from_str(url)?;
+        if let Some(password) = &options.password {
+            connect = connect.password(password.expose_secret());
+        }
+        let connect = connect
             .application_name("tablemail")
             // Our statements work on batches whose size is a parameter
             // (LIMIT $1, arrays of outcomes). A generic plan guesses that size

@@ -2,7 +2,8 @@
 //! every call, migrations, the status counts, retry, cancel and purge, the
 //! dynamic INSERT of `enqueue`, and decoding rows by column name. Each
 //! backend supplies its SQL ([`Queries`]) and the unit its SQL counts
-//! durations in.
+//! durations in. Long because it is the code the three backends no longer
+//! repeat.
 
 use std::time::Duration;
 

@@ -9,6 +9,9 @@
 //! Stopping: no new claims, queued rows go back unspent, sends in flight get
 //! `worker.shutdown_timeout`; after that they are cut off and judged by the
 //! stage they reached (after "." is ambiguous, before it is released).
+//!
+//! A little over 500 lines: the lane, the finalizer and the drain share
+//! their types and read best as one story.
 
 use std::{panic::AssertUnwindSafe, sync::Arc, time::Duration};
 

@@ -950,3 +950,22 @@ pub fn self_signed_cert(dir: &Path) -> (PathBuf, PathBuf) {
     assert!(status.success(), "openssl could not make a certificate");
     (cert, key)
 }
+
+/// The packaging tools: present on the machine, or the test is skipped
+/// (a failure under CI=true, where scripts/test installs them).
+pub fn tool(name: &str) -> Option<String> {
+    let found = Command::new("sh")
+        .args(["-c", &format!("command -v {name}")])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+    if found.is_none() {
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{name} is missing under CI=true"
+        );
+        eprintln!("SKIPPED: {name} not installed");
+    }
+    found
+}
