@@ -147,6 +147,8 @@ pub struct TransportSettings {
     pub data_timeout: Duration,
     /// Larger mails fail without an attempt; default 25MB.
     pub max_message_size: ByteSize,
+    /// Most recipients (to, cc and bcc together) of one mail; default 1000.
+    pub max_recipients: usize,
     /// Idle SMTP connections kept open for reuse; default 16.
     pub pool_size: usize,
     /// Skip certificate verification (test relays only); default false.
@@ -172,6 +174,7 @@ impl Default for TransportSettings {
             timeout: Duration::from_secs(30),
             data_timeout: Duration::from_secs(600),
             max_message_size: ByteSize(25_000_000),
+            max_recipients: 1000,
             pool_size: 16,
             accept_invalid_certs: false,
             fallback_url: None,

@@ -294,7 +294,7 @@ async fn bad_input_fails_without_an_smtp_session(db: TestDb) {
             quote("a@example.com"),
             db.with_crlf("Hi", "Bcc: victim@example.com"),
             "NULL".to_string(),
-            "CR or LF in subject",
+            "CR, LF or NUL in subject",
         ),
         (
             quote("a@example.com"),
@@ -306,7 +306,7 @@ async fn bad_input_fails_without_an_smtp_session(db: TestDb) {
             quote("a@example.com"),
             quote("x"),
             quote(r#"{"X-Ok": "v\r\nBcc: b@example.com"}"#),
-            "CR or LF in header X-Ok",
+            "CR, LF or NUL in header X-Ok",
         ),
         (
             quote("a@example.com"),
@@ -324,7 +324,7 @@ async fn bad_input_fails_without_an_smtp_session(db: TestDb) {
             db.with_crlf("a@example.com", "b@example.com"),
             quote("x"),
             "NULL".to_string(),
-            "CR or LF in to_address",
+            "CR, LF or NUL in to_address",
         ),
     ];
     for (to, subject, headers, _) in &cases {

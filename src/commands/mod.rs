@@ -96,6 +96,7 @@ pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
         from_address,
         from_name: settings.defaults.from_name.clone(),
         max_message_size: settings.transport.max_message_size.0,
+        max_recipients: settings.transport.max_recipients,
         dkim: settings
             .dkim
             .signer()
