@@ -878,6 +878,7 @@ async fn claim_ms(store: &Arc<dyn Store>, rounds: usize) -> f64 {
             limit: 100,
             max_age: Duration::from_secs(5 * 86400),
             message_id_domain: "bench.example",
+            inline_limit: 32 * 1024,
         };
         let started = Instant::now();
         let mails = store.claim_batch(&claim).await.unwrap();
@@ -889,6 +890,8 @@ async fn claim_ms(store: &Arc<dyn Store>, rounds: usize) -> f64 {
                 id: m.id,
                 lock: m.lock,
                 action: FinalAction::Sent,
+                relay_reply: Some("250 2.0.0 Ok: queued".into()),
+                event: None,
             })
             .collect();
         store.finalize(&writes).await.unwrap();

@@ -33,6 +33,8 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Show one mail: its state, the relay's reply, its attachments and history.
+    Show(ShowArgs),
     /// Put failed or unknown mails back to queued with fresh attempts.
     Retry(RetryArgs),
     /// Cancel a queued mail.
@@ -49,7 +51,7 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct EnqueueArgs {
     /// Read one JSON object per line from stdin, with the column names as keys.
-    #[arg(long, conflicts_with_all = ["to", "subject", "body", "html", "cc", "bcc", "from", "from_name", "reply_to", "priority", "send_at", "dedupe_key", "header"])]
+    #[arg(long, conflicts_with_all = ["to", "subject", "body", "html", "cc", "bcc", "from", "from_name", "reply_to", "priority", "send_at", "dedupe_key", "header", "attach", "inline"])]
     pub jsonl: bool,
     /// Recipients, comma separated.
     #[arg(long, required_unless_present = "jsonl")]
@@ -84,6 +86,37 @@ pub struct EnqueueArgs {
     /// Extra header, NAME:VALUE; repeatable.
     #[arg(long, value_name = "NAME:VALUE")]
     pub header: Vec<String>,
+    /// Attach a file (its type from its extension, or PATH;type=TYPE); repeatable.
+    #[arg(long, value_name = "PATH")]
+    pub attach: Vec<String>,
+    /// An inline image for the HTML, referenced there as cid:CID; repeatable.
+    #[arg(long, value_name = "CID=PATH")]
+    pub inline: Vec<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ShowArgs {
+    #[command(flatten)]
+    pub which: MailArg,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Include the body, the headers and the full addresses.
+    #[arg(long)]
+    pub body: bool,
+}
+
+/// One mail, by id, Message-ID or dedupe key.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub struct MailArg {
+    /// The mail's id.
+    pub id: Option<i64>,
+    /// The Message-ID, with its angle brackets.
+    #[arg(long = "message-id")]
+    pub message_id: Option<String>,
+    #[arg(long = "dedupe-key")]
+    pub dedupe_key: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -276,6 +276,18 @@ pub struct Draft<'a> {
     pub headers: Option<&'a str>,
     /// Assigned at the first claim; `None` only while a new mail is checked.
     pub message_id: Option<&'a str>,
+    /// The files sent with it (`mail_attachment`), in order.
+    pub attachments: &'a [Attachment<'a>],
+}
+
+/// One attachment as a message is built from it.
+#[derive(Debug, Clone, Copy)]
+pub struct Attachment<'a> {
+    pub filename: &'a str,
+    pub content_type: &'a str,
+    pub content: &'a [u8],
+    /// Set: an inline part, referenced from the HTML as `cid:…`.
+    pub content_id: Option<&'a str>,
 }
 
 /// Builds the message of a draft.
@@ -450,6 +462,7 @@ mod tests {
                 body_html: self.body_html.as_deref(),
                 headers: self.headers.as_deref(),
                 message_id: Some(&self.message_id),
+                attachments: &[],
             }
         }
     }

@@ -98,6 +98,12 @@ impl Metrics {
         }
     }
 
+    /// Outcomes of this kind written since start.
+    pub fn count(&self, outcome: Outcome) -> u64 {
+        let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
+        self.outcomes[i].load(Ordering::Relaxed)
+    }
+
     /// A mail went through `relay`.
     pub fn sent_through(&self, relay: Role) {
         let i = usize::from(relay == Role::Fallback);

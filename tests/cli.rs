@@ -106,7 +106,28 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
             "message_id",
             "dedupe_key",
             "last_error",
-            "relay_down_count"
+            "relay_down_count",
+            "relay_reply",
+            "retried_at"
+        ]
+    );
+    // The history, attachments and daemons live in tables of their own.
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT table_name::text FROM information_schema.tables \
+         WHERE table_schema = 'public' ORDER BY table_name",
+    )
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        tables,
+        [
+            "mail_attachment",
+            "mail_event",
+            "mail_queue",
+            "tablemail_daemon",
+            "tablemail_migrations",
+            "tablemail_minute"
         ]
     );
     // The checks refuse what the life cycle never produces.

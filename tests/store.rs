@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use support::*;
 use tablemail::store::{
-    BatchLock, Claim, FinalAction, Finalize, NewMail, QueuedMail, RetrySelection,
+    BatchLock, Claim, FinalAction, Finalize, NewAttachment, NewMail, QueuedMail, RetrySelection,
 };
 
 for_each_backend!(
@@ -24,6 +24,8 @@ for_each_backend!(
     dedupe_reports_the_existing_row,
     status_counts_and_ages,
     retry_cancel_and_purge,
+    large_rows_are_claimed_without_their_content,
+    attachments_are_loaded_in_order_and_go_with_their_mail,
 );
 
 fn claim(limit: usize) -> Claim<'static> {
@@ -32,6 +34,7 @@ fn claim(limit: usize) -> Claim<'static> {
         limit,
         max_age: Duration::from_secs(86400),
         message_id_domain: "test.example",
+        inline_limit: 32 * 1024,
     }
 }
 
@@ -44,6 +47,8 @@ fn finalize(m: &QueuedMail, action: FinalAction) -> Finalize {
         id: m.id,
         lock: m.lock,
         action,
+        relay_reply: None,
+        event: None,
     }
 }
 
@@ -413,6 +418,21 @@ async fn status_counts_and_ages(db: TestDb) {
         db.minus(db.now(), 90)
     ))
     .await;
+    // The rates come from what the daemons report, not from the rows
+    // (retention may have deleted them).
+    db.store
+        .heartbeat(&tablemail::store::DaemonBeat {
+            id: uuid::Uuid::new_v4(),
+            host: "test.example".into(),
+            pid: 1,
+            version: "0".into(),
+            in_flight: 0,
+            sent_total: 3,
+            sent_since: 3,
+            failed_since: 1,
+        })
+        .await
+        .unwrap();
     let stats = db.store.stats(Duration::from_secs(300)).await.unwrap();
     let count = |s: &str| stats.count(s);
     assert_eq!(
@@ -427,7 +447,10 @@ async fn status_counts_and_ages(db: TestDb) {
     let age = stats.oldest_due_age_seconds.unwrap();
     assert!((89.0..200.0).contains(&age), "{age}");
     assert_eq!(stats.stale_locks, 1);
-    assert_eq!(stats.sent_last_5m, 1);
+    assert_eq!(
+        (stats.sent_last_1m, stats.sent_last_5m, stats.sent_last_15m),
+        (3, 3, 3)
+    );
     assert_eq!(stats.recent_failures.len(), 1);
     assert_eq!(
         stats.recent_failures[0].last_error.as_deref(),
@@ -581,5 +604,93 @@ async fn postgres_dead_rows_are_vacuumed_by_the_owner_only() {
         db.store.maintain().await.unwrap(),
         None,
         "nothing left to do"
+    );
+}
+
+/// A claim brings the columns of a small row; a large one comes with its
+/// sizes only, and its columns are loaded by the lock that holds it.
+async fn large_rows_are_claimed_without_their_content(db: TestDb) {
+    let mut small = mail("small@example.com", "small");
+    small.body = Some("Hello".into());
+    let small = db.enqueue(small).await;
+    let mut large = mail("large@example.com", "large");
+    large.body = Some("x".repeat(40_000));
+    large.body_html = Some(format!("<p>{}</p>", "ü".repeat(10_000)));
+    let large = db.enqueue(large).await;
+    let batch = claimed(&db, 10).await;
+    let by_id = |id| batch.iter().find(|m| m.id == id).unwrap();
+    let s = by_id(small);
+    let content = s.content.as_ref().expect("a small row comes whole");
+    assert_eq!(content.body.as_deref(), Some("Hello"));
+    assert_eq!(content.to_address, "small@example.com");
+    let l = by_id(large);
+    assert!(l.content.is_none(), "a large row comes without its columns");
+    assert_eq!(l.sizes.bodies, 40_000 + 7 + 20_000);
+    assert!(l.sizes.content > l.sizes.bodies, "{:?}", l.sizes);
+    let loaded = db.store.load_content(l.id, l.lock).await.unwrap().unwrap();
+    assert_eq!(loaded.body.unwrap().len(), 40_000);
+    assert_eq!(loaded.to_address, "large@example.com");
+    assert!(
+        db.store
+            .load_content(l.id, BatchLock::generate())
+            .await
+            .unwrap()
+            .is_none(),
+        "another lock reads nothing"
+    );
+}
+
+async fn attachments_are_loaded_in_order_and_go_with_their_mail(db: TestDb) {
+    // Every byte value, and a part larger than a page.
+    let binary: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    let mut m = mail("a@example.com", "invoice");
+    m.attachments = vec![
+        NewAttachment {
+            filename: "Rechnung Müller.pdf".into(),
+            content_type: Some("application/pdf".into()),
+            content: binary.clone(),
+            content_id: None,
+        },
+        NewAttachment {
+            filename: "logo.png".into(),
+            content_type: None,
+            content: vec![0x89, b'P', b'N', b'G'],
+            content_id: Some("logo".into()),
+        },
+    ];
+    let id = db.enqueue(m).await;
+    let plain = db.enqueue(mail("b@example.com", "plain")).await;
+    let batch = claimed(&db, 10).await;
+    let with = batch.iter().find(|m| m.id == id).unwrap();
+    assert_eq!(with.sizes.attachments, 2);
+    assert_eq!(with.sizes.attachment_bytes, 70_004);
+    let without = batch.iter().find(|m| m.id == plain).unwrap();
+    assert_eq!(
+        (without.sizes.attachments, without.sizes.attachment_bytes),
+        (0, 0)
+    );
+    let parts = db.store.load_attachments(id).await.unwrap();
+    assert_eq!(parts.len(), 2);
+    assert_eq!(parts[0].filename, "Rechnung Müller.pdf");
+    assert_eq!(parts[0].content, binary, "bytes as they were inserted");
+    assert_eq!(parts[1].content_type, "application/octet-stream");
+    assert_eq!(parts[1].content_id.as_deref(), Some("logo"));
+    // Retention deletes the mail and its attachments with it.
+    let writes: Vec<Finalize> = batch
+        .iter()
+        .map(|m| finalize(m, FinalAction::Sent))
+        .collect();
+    db.store.finalize(&writes).await.unwrap();
+    let attachment_rows = "SELECT count(*) FROM mail_attachment";
+    assert_eq!(db.scalar_i64(attachment_rows).await, 2);
+    db.store
+        .purge(Duration::ZERO, Duration::ZERO, 100)
+        .await
+        .unwrap();
+    assert_eq!(db.count("true").await, 0);
+    assert_eq!(
+        db.scalar_i64(attachment_rows).await,
+        0,
+        "no attachment left behind"
     );
 }

@@ -6,12 +6,81 @@ use std::io::BufRead;
 
 use chrono::{DateTime, Utc};
 
-use crate::{cli::EnqueueArgs, config::Settings, mail, store::NewMail};
+use crate::{
+    cli::EnqueueArgs,
+    config::Settings,
+    mail,
+    store::{NewAttachment, NewMail},
+};
 
 use super::{connect, message_defaults, CommandError, Result};
 
+/// The type of a file by its extension, for `--attach` without `;type=`.
+fn content_type_of(path: &std::path::Path) -> &'static str {
+    let extension = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    match extension.as_str() {
+        "pdf" => "application/pdf",
+        "png" => "image/png",
+        "jpg" | "jpeg" => "image/jpeg",
+        "gif" => "image/gif",
+        "webp" => "image/webp",
+        "svg" => "image/svg+xml",
+        "txt" => "text/plain",
+        "csv" => "text/csv",
+        "htm" | "html" => "text/html",
+        "ics" => "text/calendar",
+        "json" => "application/json",
+        "xml" => "application/xml",
+        "zip" => "application/zip",
+        "gz" => "application/gzip",
+        "doc" => "application/msword",
+        "docx" => "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+        "xls" => "application/vnd.ms-excel",
+        "xlsx" => "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+        "odt" => "application/vnd.oasis.opendocument.text",
+        _ => crate::store::DEFAULT_CONTENT_TYPE,
+    }
+}
+
+/// A file given on the command line as an attachment: `PATH` or
+/// `PATH;type=TYPE`, inline when it has a content id.
+fn attachment_from_file(spec: &str, content_id: Option<String>) -> Result<NewAttachment> {
+    let (path, content_type) = match spec.rsplit_once(";type=") {
+        Some((path, t)) => (path, Some(t.to_string())),
+        None => (spec, None),
+    };
+    let path = std::path::Path::new(path);
+    let content =
+        std::fs::read(path).map_err(|e| CommandError::Usage(format!("{}: {e}", path.display())))?;
+    let filename = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| CommandError::Usage(format!("{}: no file name", path.display())))?
+        .to_string();
+    Ok(NewAttachment {
+        content_type: Some(content_type.unwrap_or_else(|| content_type_of(path).to_string())),
+        filename,
+        content,
+        content_id,
+    })
+}
+
 /// Turns the flags of `enqueue` into one mail.
 fn mail_from_flags(args: EnqueueArgs) -> Result<NewMail> {
+    let mut attachments = Vec::new();
+    for spec in &args.attach {
+        attachments.push(attachment_from_file(spec, None)?);
+    }
+    for spec in &args.inline {
+        let (cid, path) = spec
+            .split_once('=')
+            .ok_or_else(|| CommandError::Usage(format!("--inline `{spec}`: expected CID=PATH")))?;
+        attachments.push(attachment_from_file(path, Some(cid.to_string()))?);
+    }
     let send_at = args.send_at.as_deref().map(parse_send_at).transpose()?;
     let mut headers = serde_json::Map::new();
     for h in &args.header {
@@ -37,6 +106,7 @@ fn mail_from_flags(args: EnqueueArgs) -> Result<NewMail> {
         send_at,
         dedupe_key: args.dedupe_key,
         headers: (!headers.is_empty()).then_some(headers),
+        attachments,
         ..NewMail::default()
     })
 }
@@ -86,6 +156,19 @@ fn check(
         body_html: new.body_html.as_deref(),
         headers: headers.as_deref(),
         message_id: new.message_id.as_deref(),
+        attachments: &new
+            .attachments
+            .iter()
+            .map(|a| mail::Attachment {
+                filename: &a.filename,
+                content_type: a
+                    .content_type
+                    .as_deref()
+                    .unwrap_or(crate::store::DEFAULT_CONTENT_TYPE),
+                content: &a.content,
+                content_id: a.content_id.as_deref(),
+            })
+            .collect::<Vec<_>>(),
     };
     mail::prepare(&draft, defaults).map(|_| ())
 }

@@ -4,7 +4,7 @@
 //!
 //! - [`run`]: the daemon.
 //! - [`enqueue`]: inserting mails from flags or JSON lines.
-//! - [`status`]: what the queue holds and how it fares.
+//! - [`status`]: what the queue holds and how it fares; one mail (`show`).
 //! - [`admin`]: migrate, retry, cancel, purge, check.
 
 mod admin;
@@ -52,6 +52,7 @@ pub async fn execute(command: Command, settings: Settings) -> ExitCode {
         Command::Migrate => admin::migrate(&settings).await,
         Command::Enqueue(args) => enqueue::enqueue(&settings, *args).await,
         Command::Status { json } => status::status(&settings, json).await,
+        Command::Show(args) => status::show(&settings, args).await,
         Command::Retry(args) => admin::retry(&settings, args).await,
         Command::Cancel { id } => admin::cancel(&settings, id).await,
         Command::Purge => admin::purge(&settings).await,

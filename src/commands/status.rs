@@ -1,17 +1,20 @@
 //! `tablemail status`: counts by status, the oldest due mail's age, stale
-//! locks, the sending rate, and what failed or was deferred in the last hour,
-//! grouped by stage and reply.
+//! locks, the sending rate, the daemons draining the queue, and what failed
+//! or was deferred in the last hour, grouped by stage and reply (from the
+//! mails' history).
 
 use std::time::Duration;
 
 use crate::{
+    cli::ShowArgs,
     config::Settings,
     smtp::{Role, Transport},
+    store::{MailLookup, MailRecord},
     telemetry::redact_addresses,
-    worker::outcome::failure_kind,
+    worker::outcome::failure_label,
 };
 
-use super::{build_transport, connect, Result};
+use super::{build_transport, connect, CommandError, Result};
 
 /// What a probe of each configured relay finds now (at most 5 s each):
 /// `(role, reachable, what it said or why not)`.
@@ -38,20 +41,21 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
     for f in &mut stats.recent_failures {
         f.last_error = f.last_error.as_deref().map(redact_addresses);
     }
-    // Failed or unknown for good, and queued again with an error (waiting
-    // for a retry, or deferred): a row deferred 37 times for a 421 shows here.
+    // Attempts that failed for good or went unknown, and those that were
+    // put off (a retry, a deferral, a refused relay): a row deferred 37 times
+    // for a 421 counts 37 here.
     let (mut failures, mut waiting) = (Tally::default(), Tally::default());
-    for reason in store
-        .failure_reasons(Duration::from_secs(3600), 10_000)
-        .await?
-    {
-        let tally = if reason.status == "queued" {
-            &mut waiting
-        } else {
-            &mut failures
+    for group in store.failure_groups(Duration::from_secs(3600)).await? {
+        let tally = match group.outcome.as_str() {
+            "failed" | "unknown" | "stale" => &mut failures,
+            _ => &mut waiting,
         };
-        tally.add(failure_kind(&reason.last_error));
+        tally.add(
+            failure_label(group.stage.as_deref(), group.smtp_code),
+            group.count,
+        );
     }
+    let daemons = store.daemons().await?;
     let transport = build_transport(settings)?;
     let relays = relays(&transport).await;
     let redirect = transport
@@ -79,6 +83,7 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
                 "relay": role.as_str(), "reachable": reachable, "detail": detail,
             })).collect::<Vec<_>>(),
             "redirect_to": redirect,
+            "daemons": daemons,
         });
         println!("{value}");
         return Ok(());
@@ -120,6 +125,32 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
     if let Some(to) = &redirect {
         println!("staging redirect: every mail goes to {to}");
     }
+    if daemons.is_empty() {
+        println!("daemons: none running");
+    } else {
+        println!("daemons:");
+        for d in &daemons {
+            println!(
+                "  {:<24} pid {:<8} {:<8} started {}  {} in flight, {} sent{}",
+                d.host,
+                d.pid,
+                d.version,
+                d.started_at
+                    .to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+                d.in_flight,
+                d.sent,
+                if d.silent {
+                    format!(
+                        "  SILENT since {}",
+                        d.last_seen
+                            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                    )
+                } else {
+                    String::new()
+                }
+            );
+        }
+    }
     failures.print("failures in the last hour", "no failures in the last hour");
     waiting.print(
         "queued again with an error in the last hour (retry or deferral), by reply",
@@ -148,10 +179,10 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
 struct Tally(Vec<(String, i64)>);
 
 impl Tally {
-    fn add(&mut self, kind: String) {
+    fn add(&mut self, kind: String, count: i64) {
         match self.0.iter_mut().find(|(k, _)| *k == kind) {
-            Some((_, n)) => *n += 1,
-            None => self.0.push((kind, 1)),
+            Some((_, n)) => *n += count,
+            None => self.0.push((kind, count)),
         }
         self.0
             .sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
@@ -174,6 +205,155 @@ impl Tally {
         println!("{heading}:");
         for (kind, n) in &self.0 {
             println!("  {kind:<24} {n:>8}");
+        }
+    }
+}
+
+/// `tablemail show`: one mail, its attachments and its history; addresses
+/// reduced to their domains and no body unless `--body`.
+pub(super) async fn show(settings: &Settings, args: ShowArgs) -> Result<()> {
+    let lookup = match (args.which.id, args.which.message_id, args.which.dedupe_key) {
+        (Some(id), _, _) => MailLookup::Id(id),
+        (_, Some(message_id), _) => MailLookup::MessageId(message_id),
+        (_, _, Some(key)) => MailLookup::DedupeKey(key),
+        _ => {
+            return Err(CommandError::Usage(
+                "show needs an id, --message-id or --dedupe-key".into(),
+            ))
+        }
+    };
+    let store = connect(settings).await?;
+    let Some(mut record) = store.find_mail(&lookup, args.body).await? else {
+        return Err(CommandError::Runtime(match lookup {
+            MailLookup::Id(id) => format!("no mail {id}"),
+            MailLookup::MessageId(m) => format!("no mail with Message-ID {m}"),
+            MailLookup::DedupeKey(k) => format!("no mail with dedupe_key {k:?}"),
+        }));
+    };
+    if !args.body {
+        redact_record(&mut record);
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string(&record).expect("a record serializes")
+        );
+        return Ok(());
+    }
+    print_record(&record);
+    Ok(())
+}
+
+/// What may be shown without asking: replies and errors with their
+/// addresses reduced to domains.
+fn redact_record(record: &mut MailRecord) {
+    let redact = |text: &mut Option<String>| {
+        if let Some(t) = text {
+            *t = redact_addresses(t);
+        }
+    };
+    redact(&mut record.last_error);
+    redact(&mut record.relay_reply);
+    for event in &mut record.events {
+        redact(&mut event.detail);
+    }
+}
+
+fn print_record(r: &MailRecord) {
+    let time =
+        |t: &chrono::DateTime<chrono::Utc>| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let optional = |t: &Option<chrono::DateTime<chrono::Utc>>| {
+        t.as_ref().map(time).unwrap_or_else(|| "-".into())
+    };
+    println!("mail {}: {}", r.id, r.status);
+    println!("  subject            {}", r.subject);
+    println!("  priority           {}", r.priority);
+    println!(
+        "  attempts           {} made, {} left",
+        r.attempts, r.attempts_remaining
+    );
+    println!("  created_at         {}", time(&r.created_at));
+    println!("  send_at            {}", time(&r.send_at));
+    println!("  processed_at       {}", optional(&r.processed_at));
+    if r.retried_at.is_some() {
+        println!("  retried_at         {}", optional(&r.retried_at));
+    }
+    println!(
+        "  message_id         {}",
+        r.message_id.as_deref().unwrap_or("-")
+    );
+    println!(
+        "  dedupe_key         {}",
+        r.dedupe_key.as_deref().unwrap_or("-")
+    );
+    println!(
+        "  relay_reply        {}",
+        r.relay_reply.as_deref().unwrap_or("-")
+    );
+    println!(
+        "  last_error         {}",
+        r.last_error.as_deref().unwrap_or("-")
+    );
+    if let Some(c) = &r.content {
+        println!(
+            "  from               {} {}",
+            c.from_name.as_deref().unwrap_or(""),
+            c.from_address
+                .as_deref()
+                .unwrap_or("(defaults.from_address)")
+        );
+        println!("  to                 {}", c.to_address);
+        for (name, value) in [
+            ("cc", &c.cc),
+            ("bcc", &c.bcc),
+            ("reply_to", &c.reply_to),
+            ("headers", &c.headers),
+        ] {
+            if let Some(v) = value {
+                println!("  {name:<18} {v}");
+            }
+        }
+    }
+    if r.attachments.is_empty() {
+        println!("attachments: none");
+    } else {
+        println!("attachments:");
+        for a in &r.attachments {
+            let inline = a
+                .content_id
+                .as_deref()
+                .map(|c| format!("  inline cid:{c}"))
+                .unwrap_or_default();
+            println!(
+                "  {}  {}  {} bytes{inline}",
+                a.filename, a.content_type, a.size
+            );
+        }
+    }
+    if r.events.is_empty() {
+        println!("history: none (sent at the first try, or not tried yet)");
+    } else {
+        println!("history:");
+        for e in &r.events {
+            println!(
+                "  {}  attempt {:<3} {:<10} {:<9} {:<4} {}",
+                time(&e.at),
+                e.attempt,
+                e.outcome,
+                e.stage.as_deref().unwrap_or("-"),
+                e.smtp_code
+                    .map(|c| c.to_string())
+                    .unwrap_or_else(|| "-".into()),
+                e.detail.as_deref().unwrap_or("")
+            );
+        }
+    }
+    if let Some(c) = &r.content {
+        if let Some(body) = &c.body {
+            println!("body:\n{body}");
+        }
+        if let Some(html) = &c.body_html {
+            println!("body_html:\n{html}");
         }
     }
 }

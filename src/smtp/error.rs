@@ -40,6 +40,43 @@ impl Stage {
         )
     }
 
+    /// The stage as the history stores it (`mail_event.stage`): short,
+    /// lower-case, stable.
+    pub fn key(self) -> &'static str {
+        match self {
+            Stage::Connect => "connect",
+            Stage::Greeting => "greeting",
+            Stage::Tls => "tls",
+            Stage::Ehlo => "ehlo",
+            Stage::Auth => "auth",
+            Stage::MailFrom => "mail",
+            Stage::RcptTo => "rcpt",
+            Stage::Data => "data",
+            Stage::Body => "body",
+            Stage::AfterDot => "dot",
+            Stage::Outbox => "outbox",
+        }
+    }
+
+    /// The stage a history key names.
+    pub fn from_key(key: &str) -> Option<Stage> {
+        [
+            Stage::Connect,
+            Stage::Greeting,
+            Stage::Tls,
+            Stage::Ehlo,
+            Stage::Auth,
+            Stage::MailFrom,
+            Stage::RcptTo,
+            Stage::Data,
+            Stage::Body,
+            Stage::AfterDot,
+            Stage::Outbox,
+        ]
+        .into_iter()
+        .find(|s| s.key() == key)
+    }
+
     /// The stage as it is written at the start of `last_error`.
     pub fn as_str(self) -> &'static str {
         match self {

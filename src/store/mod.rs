@@ -25,9 +25,15 @@ use uuid::Uuid;
 mod migrations;
 pub mod mysql;
 pub mod postgres;
+mod records;
 mod shared;
 pub mod sqlite;
 
+pub use records::{
+    AttachmentInfo, DaemonBeat, DaemonRow, EventRow, FailureGroup, MailFilter, MailLookup,
+    MailRecord, MailSummary, MinuteCount, NewAttachment, RecordContent, DEFAULT_CONTENT_TYPE,
+    SILENT_AFTER_SECONDS,
+};
 pub use shared::Common;
 
 /// What went wrong with the database, by what an operator does about it.
@@ -146,10 +152,16 @@ impl fmt::Display for BatchLock {
 pub struct Claim<'a> {
     pub lock: BatchLock,
     pub limit: usize,
-    /// Rows created longer ago than this come back with `expired` set.
+    /// Rows created (or retried by an operator) longer ago than this come
+    /// back with `expired` set.
     pub max_age: Duration,
     /// Right-hand side of Message-IDs the daemon assigns.
     pub message_id_domain: &'a str,
+    /// Rows whose text columns together are at most this many octets come
+    /// with them; larger ones are loaded when they are sent
+    /// ([`Store::load_content`]), so that what a daemon holds claimed is
+    /// bounded whatever the rows carry.
+    pub inline_limit: usize,
 }
 
 /// What every backend's claim statement binds, owned so that it moves into
@@ -162,6 +174,7 @@ pub(crate) struct ClaimBinds {
     pub domain: String,
     /// `max_age` in the backend's unit.
     pub max_age: i64,
+    pub inline_limit: i64,
 }
 
 impl Claim<'_> {
@@ -172,6 +185,7 @@ impl Claim<'_> {
             limit: self.limit as i64,
             domain: self.message_id_domain.to_string(),
             max_age: unit(self.max_age),
+            inline_limit: self.inline_limit as i64,
         }
     }
 }
@@ -189,6 +203,34 @@ pub struct QueuedMail {
     /// Relay-down outcomes this row drew in a row while other mails went
     /// through (`worker.relay_down_limit`).
     pub relay_down_count: i32,
+    pub message_id: String,
+    /// `created_at` (or the last operator retry) is older than
+    /// `worker.max_age` (by the database clock).
+    pub expired: bool,
+    /// How large the row is, counted by the database.
+    pub sizes: MailSizes,
+    /// The text columns, when the claim brought them (`sizes.content` within
+    /// the claim's `inline_limit`); otherwise [`Store::load_content`] reads
+    /// them when the mail is sent.
+    pub content: Option<MailContent>,
+}
+
+/// A mail's size in octets as stored, known from the claim before any of
+/// it is loaded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MailSizes {
+    /// The text columns together: addresses, subject, bodies, headers.
+    pub content: u64,
+    /// The bodies alone (`body`, `body_html`).
+    pub bodies: u64,
+    pub attachments: u32,
+    /// The attachments' bytes together, before encoding.
+    pub attachment_bytes: u64,
+}
+
+/// The columns a message is built from.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MailContent {
     pub from_name: Option<String>,
     pub from_address: Option<String>,
     pub to_address: String,
@@ -200,9 +242,16 @@ pub struct QueuedMail {
     pub body_html: Option<String>,
     /// The `headers` column as JSON text.
     pub headers: Option<String>,
-    pub message_id: String,
-    /// `created_at` is older than `worker.max_age` (by the database clock).
-    pub expired: bool,
+}
+
+/// One row of `mail_attachment`, as loaded to be sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    pub filename: String,
+    pub content_type: String,
+    pub content: Vec<u8>,
+    /// Set: an inline part, referenced from `body_html` as `cid:…`.
+    pub content_id: Option<String>,
 }
 
 /// The final write for one claimed row.
@@ -211,6 +260,61 @@ pub struct Finalize {
     pub id: i64,
     pub lock: BatchLock,
     pub action: FinalAction,
+    /// The relay's reply to "." when the mail was sent (`relay_reply`).
+    pub relay_reply: Option<String>,
+    /// The history row written with the outcome, if it gets one: every
+    /// attempt that did not end in `sent` (DESIGN §8).
+    pub event: Option<Event>,
+}
+
+/// A row of a mail's history (`mail_event`) as the worker writes it; `at`
+/// is the database's clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub attempt: i32,
+    pub outcome: EventOutcome,
+    /// How far the attempt got ([`crate::smtp::Stage::key`]) or what stopped
+    /// it before the relay (`message`, `config`, `throttle`, `queue`).
+    pub stage: Option<&'static str>,
+    pub smtp_code: Option<u16>,
+    /// The relay's reply or the error; `None`: the outcome's `last_error`.
+    pub detail: Option<String>,
+}
+
+/// What a history row records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventOutcome {
+    /// A failed try, to be tried again.
+    Retry,
+    Failed,
+    /// The relay may have it (`unknown`).
+    Unknown,
+    /// Put off without spending the try (relay-down outcome of this row
+    /// alone, a throttled domain, no sender configured).
+    Deferred,
+    /// The relay was down: back to queued, the try refunded.
+    Released,
+    /// The lock went stale: the worker stopped during the try.
+    Stale,
+    /// An operator's `tablemail retry`.
+    Retried,
+    /// An operator's `tablemail cancel`.
+    Cancelled,
+}
+
+impl EventOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventOutcome::Retry => "retry",
+            EventOutcome::Failed => "failed",
+            EventOutcome::Unknown => "unknown",
+            EventOutcome::Deferred => "deferred",
+            EventOutcome::Released => "released",
+            EventOutcome::Stale => "stale",
+            EventOutcome::Retried => "retried",
+            EventOutcome::Cancelled => "cancelled",
+        }
+    }
 }
 
 /// What becomes of a claimed row. Every variant clears the lock.
@@ -334,6 +438,31 @@ impl FinalAction {
     }
 }
 
+/// The history row a [`Finalize`] writes, as the backends bind it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EventColumns<'a> {
+    pub attempt: i32,
+    pub outcome: &'static str,
+    pub stage: Option<&'static str>,
+    pub smtp_code: Option<i32>,
+    pub detail: Option<&'a str>,
+}
+
+impl Finalize {
+    /// Its history row, if it gets one; the detail defaults to the new
+    /// `last_error`.
+    pub(crate) fn event_columns(&self) -> Option<EventColumns<'_>> {
+        let event = self.event.as_ref()?;
+        Some(EventColumns {
+            attempt: event.attempt,
+            outcome: event.outcome.as_str(),
+            stage: event.stage,
+            smtp_code: event.smtp_code.map(i32::from),
+            detail: event.detail.as_deref().or(self.action.columns().error),
+        })
+    }
+}
+
 /// A row that `release_stale_locks` took back from a dead or stuck worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StaleRow {
@@ -375,6 +504,9 @@ pub struct NewMail {
     pub headers: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default)]
     pub message_id: Option<String>,
+    /// Inserted with the mail, in the same transaction, in this order.
+    #[serde(default)]
+    pub attachments: Vec<NewAttachment>,
 }
 
 /// The result of inserting one [`NewMail`].
@@ -425,7 +557,9 @@ pub struct QueueStats {
     pub oldest_due_age_seconds: Option<f64>,
     /// `sending` rows whose lock is older than the lock timeout.
     pub stale_locks: i64,
-    /// Rows sent in the last minute, five minutes, fifteen minutes.
+    /// Mails the daemons sent in the last minute, five minutes, fifteen
+    /// minutes (from their per-minute counts: retention may already have
+    /// deleted the rows).
     pub sent_last_1m: i64,
     pub sent_last_5m: i64,
     pub sent_last_15m: i64,
@@ -440,14 +574,6 @@ impl QueueStats {
             .find(|c| c.status == status)
             .map_or(0, |c| c.count)
     }
-}
-
-/// A recent failure or deferral: the row's status and its `last_error`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FailureReason {
-    /// `failed`, `unknown`, or `queued` (deferred or waiting to retry).
-    pub status: String,
-    pub last_error: String,
 }
 
 /// Finished rows that retention deletes, each kind with its own age.
@@ -500,7 +626,8 @@ pub trait Store: Send + Sync + 'static {
     /// `sending` under `claim.lock` and spends one attempt each.
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>>;
 
-    /// Writes the outcomes, each fenced by id + lock + `sending`. Returns the ids
+    /// Writes the outcomes, each fenced by id + lock + `sending`, with their
+    /// history rows in the same statement or transaction. Returns the ids
     /// that were written; the others had been taken away from this worker.
     async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>>;
 
@@ -510,15 +637,16 @@ pub trait Store: Send + Sync + 'static {
 
     /// Takes back `sending` rows whose `locked_at` is older than `older_than`
     /// and whose lock is not one of `spare` (this process's own):
-    /// `queued` (the attempt stays spent), or `failed` when none remains.
+    /// `queued` (the attempt stays spent), or `failed` when none remains;
+    /// each with a `stale` history row.
     async fn release_stale_locks(
         &self,
         older_than: Duration,
         spare: &[BatchLock],
     ) -> Result<Vec<StaleRow>>;
 
-    /// Inserts mails in one transaction; a taken `dedupe_key` inserts nothing
-    /// and reports the existing row.
+    /// Inserts mails and their attachments in one transaction; a taken
+    /// `dedupe_key` inserts nothing and reports the existing row.
     async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>>;
 
     /// Housekeeping the database may need from us: PostgreSQL with
@@ -548,28 +676,42 @@ pub trait Store: Send + Sync + 'static {
         self.common().ping().await
     }
 
+    /// The text columns of a claimed row too large to come with its claim;
+    /// `None` when this lock no longer holds it.
+    async fn load_content(&self, id: i64, lock: BatchLock) -> Result<Option<MailContent>> {
+        self.common().load_content(id, lock).await
+    }
+
+    /// A mail's attachments, in id order, to be sent now.
+    async fn load_attachments(&self, id: i64) -> Result<Vec<Attachment>> {
+        self.common().load_attachments(id).await
+    }
+
     /// Counts and ages for `tablemail status`.
     async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
         self.common().stats(lock_timeout).await
     }
 
-    /// Rows that failed, went unknown or were deferred or retried with an
-    /// error within `within`, newest first, at most `limit`.
-    async fn failure_reasons(&self, within: Duration, limit: usize) -> Result<Vec<FailureReason>> {
-        self.common().failure_reasons(within, limit).await
+    /// The history rows of attempts that did not end in `sent` within
+    /// `within`, by outcome, stage and reply code, most frequent first.
+    async fn failure_groups(&self, within: Duration) -> Result<Vec<FailureGroup>> {
+        self.common().failure_groups(within).await
     }
 
-    /// `failed`/`unknown` rows back to `queued` with `attempts` fresh tries.
+    /// `failed`/`unknown` rows back to `queued` with `attempts` fresh tries,
+    /// each with a `retried` history row; `created_at` stays, expiry counts
+    /// from now on.
     async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
         self.common().retry(which, attempts).await
     }
 
-    /// A `queued` row to `cancelled`.
+    /// A `queued` row to `cancelled`, with a `cancelled` history row.
     async fn cancel(&self, id: i64) -> Result<u64> {
         self.common().cancel(id).await
     }
 
-    /// Deletes up to `limit` finished rows past their retention, oldest first.
+    /// Deletes up to `limit` finished rows past their retention, oldest
+    /// first; their attachments and history go with them.
     async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
         let mut deleted = 0;
         for (kind, age) in [
@@ -586,6 +728,39 @@ pub trait Store: Send + Sync + 'static {
                 .await?;
         }
         Ok(deleted)
+    }
+
+    /// One mail with its attachments and history; its content (addresses,
+    /// bodies) only when `content` is asked for.
+    async fn find_mail(&self, lookup: &MailLookup, content: bool) -> Result<Option<MailRecord>> {
+        self.common().find_mail(lookup, content).await
+    }
+
+    /// Mails matching `filter`, newest first, at most `limit`.
+    async fn list_mails(&self, filter: &MailFilter, limit: usize) -> Result<Vec<MailSummary>> {
+        self.common().list_mails(filter, limit).await
+    }
+
+    /// Records that this daemon is alive, what it holds and what it did
+    /// since the last report; drops daemons silent for a day.
+    async fn heartbeat(&self, beat: &DaemonBeat) -> Result<()> {
+        self.common().heartbeat(beat).await
+    }
+
+    /// A daemon stopped cleanly: its row goes.
+    async fn daemon_stopped(&self, id: uuid::Uuid) -> Result<()> {
+        self.common().daemon_stopped(id).await
+    }
+
+    /// The daemons that reported within the last day, oldest first.
+    async fn daemons(&self) -> Result<Vec<DaemonRow>> {
+        self.common().daemons().await
+    }
+
+    /// Sent and failed per minute over the last `minutes` minutes, oldest
+    /// first (minutes without any are left out).
+    async fn minutes(&self, minutes: u32) -> Result<Vec<MinuteCount>> {
+        self.common().minutes(minutes).await
     }
 }
 

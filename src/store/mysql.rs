@@ -12,13 +12,13 @@ use async_trait::async_trait;
 use secrecy::ExposeSecret;
 use sqlx::{
     mysql::{MySqlConnectOptions, MySqlPoolOptions},
-    AssertSqlSafe, ConnectOptions as _, Connection, Executor, Row,
+    AssertSqlSafe, ConnectOptions as _, Connection, Executor, FromRow, Row,
 };
 
 use super::{
     migrations::{self, MYSQL},
     shared::{
-        self, finalize_json, insert_columns, insert_query, queued_mail, stale_rows, Common,
+        self, finalize_json, insert_attachments, insert_columns, insert_query, queued_mail, Common,
         Queries, Shared,
     },
     Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail, Result,
@@ -57,6 +57,7 @@ impl MySqlStore {
                 queries: &QUERIES,
                 unit: shared::micros,
                 migrator: migrations::migrator(MYSQL),
+                begin_write: "BEGIN",
             },
         })
     }
@@ -88,12 +89,70 @@ SET status = 'sending',
 WHERE id IN
 "#;
 
-const READ_BACK: &str = r#"
-SELECT id, priority, attempts, attempts_remaining, relay_down_count, from_name, from_address,
-       to_address, cc, bcc, reply_to, subject, body, body_html, CAST(headers AS CHAR) AS headers,
-       message_id, created_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AS expired
-FROM mail_queue WHERE id IN
-"#;
+/// The octets of a row's text columns together.
+macro_rules! content_bytes {
+    () => {
+        "(COALESCE(LENGTH(body), 0) + COALESCE(LENGTH(body_html), 0) \
+         + COALESCE(LENGTH(from_name), 0) + COALESCE(LENGTH(from_address), 0) \
+         + LENGTH(to_address) + COALESCE(LENGTH(cc), 0) + COALESCE(LENGTH(bcc), 0) \
+         + COALESCE(LENGTH(reply_to), 0) + LENGTH(subject) + COALESCE(LENGTH(headers), 0))"
+    };
+}
+
+/// A text column, only when the row is within the inline limit (`p.lim`).
+macro_rules! inline {
+    ($column:literal, $expr:literal) => {
+        concat!(
+            "CASE WHEN ",
+            content_bytes!(),
+            " <= p.lim THEN ",
+            $expr,
+            " END AS ",
+            $column
+        )
+    };
+}
+
+// The claimed rows with their sizes; the text columns only of rows within
+// the inline limit (the first parameter).
+const READ_BACK: &str = concat!(
+    r#"
+SELECT id, priority, attempts, attempts_remaining, relay_down_count, message_id,
+       GREATEST(created_at, COALESCE(retried_at, created_at))
+           < UTC_TIMESTAMP(6) - INTERVAL p.max_age MICROSECOND AS expired,
+       COALESCE(LENGTH(body), 0) + COALESCE(LENGTH(body_html), 0) AS body_bytes,
+       "#,
+    content_bytes!(),
+    r#" AS content_bytes,
+       (SELECT COUNT(*) FROM mail_attachment AS x WHERE x.mail_id = m.id) AS attachment_count,
+       (SELECT CAST(COALESCE(SUM(LENGTH(x.content)), 0) AS SIGNED) FROM mail_attachment AS x
+         WHERE x.mail_id = m.id) AS attachment_bytes,
+       "#,
+    content_bytes!(),
+    " <= p.lim AS inline, ",
+    inline!("from_name", "from_name"),
+    ", ",
+    inline!("from_address", "from_address"),
+    ", ",
+    inline!("to_address", "to_address"),
+    ", ",
+    inline!("cc", "cc"),
+    ", ",
+    inline!("bcc", "bcc"),
+    ", ",
+    inline!("reply_to", "reply_to"),
+    ", ",
+    inline!("subject", "subject"),
+    ", ",
+    inline!("body", "body"),
+    ", ",
+    inline!("body_html", "body_html"),
+    ", ",
+    inline!("headers", "CAST(headers AS CHAR)"),
+    r#"
+FROM mail_queue AS m CROSS JOIN (SELECT ? AS lim, ? AS max_age) AS p
+WHERE m.id IN "#
+);
 
 /// Locks rows through the primary key only, in id order: a secondary index
 /// (say `status, locked_at`) would lock its own entries first, in its own
@@ -112,7 +171,8 @@ JOIN JSON_TABLE(?, '$[*]' COLUMNS (
         err TEXT PATH '$.error',
         refund INT PATH '$.refund',
         processed INT PATH '$.processed',
-        relay_down INT PATH '$.relay_down'
+        relay_down INT PATH '$.relay_down',
+        reply TEXT PATH '$.relay_reply'
     )) AS f
   ON m.id = f.id AND m.thread_lock = f.lk AND m.status = 'sending'
 SET m.send_at = CASE WHEN f.delay_ms >= 0
@@ -125,10 +185,26 @@ SET m.send_at = CASE WHEN f.delay_ms >= 0
                                            WHEN 1 THEN m.relay_down_count + 1
                                            ELSE m.relay_down_count END,
     m.last_error = COALESCE(f.err, m.last_error),
+    m.relay_reply = COALESCE(f.reply, m.relay_reply),
     m.thread_lock = NULL,
     m.locked_at = NULL,
     m.status = f.st
 "#;
+
+/// The history rows of the outcomes FINALIZE wrote (an IN list of their ids
+/// follows), in the same transaction.
+const FINALIZE_EVENTS: &str = r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
+SELECT f.id, f.attempt, f.outcome, f.stage, f.code, f.detail
+FROM JSON_TABLE(?, '$[*]' COLUMNS (
+        id BIGINT PATH '$.id',
+        attempt INT PATH '$.ev_attempt',
+        outcome VARCHAR(16) PATH '$.ev_outcome',
+        stage VARCHAR(16) PATH '$.ev_stage',
+        code INT PATH '$.ev_code',
+        detail TEXT PATH '$.ev_detail'
+    )) AS f
+WHERE f.outcome IS NOT NULL AND f.id IN "#;
 
 /// Renewal by id, in id order: the rows' primary key is the only index it
 /// walks, so it never waits on rows another daemon holds.
@@ -158,7 +234,17 @@ SET processed_at = CASE WHEN attempts_remaining > 0 THEN processed_at ELSE UTC_T
 WHERE status = 'sending' AND id IN
 "#;
 
+/// The history rows of rows RELEASE_STALE just released (an IN list of
+/// their ids follows).
+const STALE_EVENTS: &str = r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT id, attempts, 'stale', 'lock',
+       CASE WHEN status = 'queued' THEN 'lock expired: the worker stopped during this attempt'
+            ELSE 'lock expired: the worker stopped during the last attempt' END
+FROM mail_queue WHERE id IN "#;
+
 static QUERIES: Queries = Queries {
+    placeholder: |_| "?".to_string(),
     status_counts: r#"
 SELECT status, COUNT(*) AS count FROM mail_queue GROUP BY status ORDER BY status
 "#,
@@ -167,13 +253,17 @@ SELECT
     (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(send_at), UTC_TIMESTAMP(6)) / 1e6 FROM mail_queue
       WHERE status = 'queued' AND send_at <= UTC_TIMESTAMP(6)) AS oldest_due,
     (SELECT COUNT(*) FROM mail_queue
-      WHERE status = 'sending' AND locked_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) AS stale,
-    (SELECT COUNT(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE) AS sent_1m,
-    (SELECT COUNT(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 5 MINUTE) AS sent_5m,
-    (SELECT COUNT(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > UTC_TIMESTAMP(6) - INTERVAL 15 MINUTE) AS sent_15m
+      WHERE status = 'sending' AND locked_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) AS stale
+"#,
+    status_rates: r#"
+SELECT
+    CAST(COALESCE(SUM(CASE WHEN minute >= DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL 1 MINUTE
+                           THEN sent END), 0) AS SIGNED) AS sent_1m,
+    CAST(COALESCE(SUM(CASE WHEN minute >= DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL 5 MINUTE
+                           THEN sent END), 0) AS SIGNED) AS sent_5m,
+    CAST(COALESCE(SUM(sent), 0) AS SIGNED) AS sent_15m
+FROM tablemail_minute
+WHERE minute >= DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL 15 MINUTE
 "#,
     recent_failures: r#"
 SELECT id, status, processed_at, last_error FROM mail_queue
@@ -181,18 +271,40 @@ WHERE status IN ('failed', 'unknown')
 ORDER BY processed_at IS NULL, processed_at DESC, id DESC
 LIMIT 10
 "#,
-    failure_reasons: r#"
-SELECT status, last_error FROM mail_queue
-WHERE status IN ('failed', 'unknown', 'queued') AND last_error IS NOT NULL
-  AND processed_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
-ORDER BY processed_at DESC
-LIMIT ?
+    failure_groups: r#"
+SELECT outcome, stage, smtp_code, COUNT(*) AS count, MAX(detail) AS example
+FROM mail_event
+WHERE at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AND outcome NOT IN ('retried', 'cancelled')
+GROUP BY outcome, stage, smtp_code
+ORDER BY COUNT(*) DESC, outcome, stage, smtp_code
+"#,
+    load_content: r#"
+SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
+       CAST(headers AS CHAR) AS headers
+FROM mail_queue WHERE id = ? AND thread_lock = ? AND status = 'sending'
+"#,
+    load_attachments: r#"
+SELECT filename, content_type, content, content_id FROM mail_attachment
+WHERE mail_id = ? ORDER BY id
+"#,
+    insert_attachment: r#"
+INSERT INTO mail_attachment (mail_id, filename, content_type, content, content_id)
+VALUES (?, ?, ?, ?, ?)
+"#,
+    retry_events: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT id, attempts, ?, 'operator', ? FROM mail_queue
+WHERE status IN ('failed', 'unknown') AND id = COALESCE(?, id)
 "#,
     retry: r#"
 UPDATE mail_queue
 SET status = 'queued', attempts_remaining = ?, send_at = UTC_TIMESTAMP(6),
-    created_at = UTC_TIMESTAMP(6), relay_down_count = 0, thread_lock = NULL, locked_at = NULL
+    retried_at = UTC_TIMESTAMP(6), relay_down_count = 0, thread_lock = NULL, locked_at = NULL
 WHERE status IN ('failed', 'unknown') AND id = COALESCE(?, id)
+"#,
+    cancel_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT id, attempts, ?, 'operator', ? FROM mail_queue WHERE id = ? AND status = 'queued'
 "#,
     cancel: r#"
 UPDATE mail_queue SET status = 'cancelled', processed_at = UTC_TIMESTAMP(6)
@@ -209,6 +321,50 @@ DELETE FROM mail_queue
 WHERE status IN ('failed', 'cancelled') AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
 ORDER BY processed_at
 LIMIT ?
+"#,
+    mail_columns: r#"
+SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
+       retried_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
+       from_address, to_address, cc, bcc, reply_to, body, body_html,
+       CAST(headers AS CHAR) AS headers
+FROM mail_queue "#,
+    attachments_of: r#"
+SELECT filename, content_type, LENGTH(content) AS size, content_id
+FROM mail_attachment WHERE mail_id = ? ORDER BY id
+"#,
+    events_of: r#"
+SELECT at, attempt, outcome, stage, smtp_code, detail FROM mail_event
+WHERE mail_id = ? ORDER BY id
+"#,
+    summary_columns: r#"
+SELECT id, status, priority, attempts, created_at, send_at, processed_at, to_address, cc, bcc,
+       subject, last_error
+FROM mail_queue "#,
+    daemon_upsert: r#"
+INSERT INTO tablemail_daemon (id, host, pid, version, in_flight, sent)
+VALUES (?, ?, ?, ?, ?, ?)
+ON DUPLICATE KEY UPDATE
+    last_seen = UTC_TIMESTAMP(6), in_flight = VALUES(in_flight), sent = VALUES(sent)
+"#,
+    minute_upsert: r#"
+INSERT INTO tablemail_minute (minute, daemon_id, sent, failed)
+VALUES (DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00'), ?, ?, ?)
+ON DUPLICATE KEY UPDATE sent = sent + VALUES(sent), failed = failed + VALUES(failed)
+"#,
+    daemons_forget:
+        "DELETE FROM tablemail_daemon WHERE last_seen < UTC_TIMESTAMP(6) - INTERVAL 1 DAY",
+    minutes_forget: "DELETE FROM tablemail_minute WHERE minute < UTC_TIMESTAMP(6) - INTERVAL 1 DAY",
+    daemon_delete: "DELETE FROM tablemail_daemon WHERE id = ?",
+    daemons: r#"
+SELECT id, host, pid, version, started_at, last_seen, in_flight, sent,
+       last_seen < UTC_TIMESTAMP(6) - INTERVAL ? SECOND AS silent
+FROM tablemail_daemon ORDER BY started_at, id
+"#,
+    minutes: r#"
+SELECT minute, CAST(SUM(sent) AS SIGNED) AS sent, CAST(SUM(failed) AS SIGNED) AS failed
+FROM tablemail_minute
+WHERE minute > DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL ? MINUTE
+GROUP BY minute ORDER BY minute
 "#,
 };
 
@@ -261,8 +417,9 @@ impl Store for MySqlStore {
                         stamp = stamp.bind(*id);
                     }
                     stamp.execute(&mut *tx).await?;
-                    let mut read =
-                        sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}"))).bind(b.max_age);
+                    let mut read = sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}")))
+                        .bind(b.inline_limit)
+                        .bind(b.max_age);
                     for id in &ids {
                         read = read.bind(*id);
                     }
@@ -288,6 +445,7 @@ impl Store for MySqlStore {
         let expected: std::collections::HashMap<i64, String> =
             writes.iter().map(|w| (w.id, w.lock.to_string())).collect();
         let json = finalize_json(writes);
+        let events = writes.iter().any(|w| w.event.is_some());
         self.shared
             .run(|c| {
                 Box::pin(async move {
@@ -308,7 +466,18 @@ impl Store for MySqlStore {
                         }
                     }
                     if !written.is_empty() {
-                        sqlx::query(FINALIZE).bind(json).execute(&mut *tx).await?;
+                        sqlx::query(FINALIZE)
+                            .bind(json.clone())
+                            .execute(&mut *tx)
+                            .await?;
+                        if events {
+                            let sql = format!("{FINALIZE_EVENTS}{}", in_list(written.len()));
+                            let mut insert = sqlx::query(AssertSqlSafe(sql)).bind(json);
+                            for id in &written {
+                                insert = insert.bind(*id);
+                            }
+                            insert.execute(&mut *tx).await?;
+                        }
                     }
                     tx.commit().await?;
                     Ok(written)
@@ -353,14 +522,19 @@ impl Store for MySqlStore {
                         .bind(spare)
                         .fetch_all(&mut *tx)
                         .await?;
-                    let stale = stale_rows(&picked)?;
+                    let stale = picked
+                        .iter()
+                        .map(StaleRow::from_row)
+                        .collect::<Result<Vec<_>, _>>()?;
                     if !stale.is_empty() {
-                        let sql = format!("{RELEASE_STALE}{}", in_list(stale.len()));
-                        let mut release = sqlx::query(AssertSqlSafe(sql));
-                        for r in &stale {
-                            release = release.bind(r.id);
+                        for sql in [RELEASE_STALE, STALE_EVENTS] {
+                            let sql = format!("{sql}{}", in_list(stale.len()));
+                            let mut statement = sqlx::query(AssertSqlSafe(sql));
+                            for r in &stale {
+                                statement = statement.bind(r.id);
+                            }
+                            statement.execute(&mut *tx).await?;
                         }
-                        release.execute(&mut *tx).await?;
                     }
                     tx.commit().await?;
                     Ok(stale)
@@ -382,10 +556,20 @@ impl Store for MySqlStore {
                         // statement leaves the transaction usable, so a taken
                         // key is looked up instead.
                         let enqueued = match query.execute(&mut *tx).await {
-                            Ok(done) => Enqueued {
-                                id: done.last_insert_id() as i64,
-                                duplicate: false,
-                            },
+                            Ok(done) => {
+                                let id = done.last_insert_id() as i64;
+                                insert_attachments::<sqlx::MySql>(
+                                    &mut tx,
+                                    QUERIES.insert_attachment,
+                                    id,
+                                    &mail.attachments,
+                                )
+                                .await?;
+                                Enqueued {
+                                    id,
+                                    duplicate: false,
+                                }
+                            }
                             Err(sqlx::Error::Database(e))
                                 if e.is_unique_violation() && mail.dedupe_key.is_some() =>
                             {

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::{
     migrations::{self, POSTGRES},
-    shared::{self, queued_mail, stale_rows, Common, Param, Queries, Shared},
+    shared::{self, queued_mail, Common, Param, Queries, Shared},
     Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
     QueuedMail, Result, RetrySelection, StaleRow, Store, StoreError,
 };
@@ -69,6 +69,7 @@ impl PgStore {
                 queries: &QUERIES,
                 unit: shared::millis,
                 migrator: migrations::migrator(POSTGRES),
+                begin_write: "BEGIN",
             },
             options: connect,
         })
@@ -76,20 +77,52 @@ impl PgStore {
 }
 
 // `tablemail_due` (migration 0003) picks the rows in index order whatever the
-// statistics say; the rows are then updated through the primary key.
+// statistics say; the rows are then updated through the primary key. The
+// text columns come along only for rows within the inline limit ($6): the
+// CTE keeps large values as TOAST pointers, which the outer SELECT never
+// reads for the others.
 const CLAIM: &str = r#"
-UPDATE mail_queue AS m
-SET status = 'sending',
-    thread_lock = $2,
-    locked_at = now(),
-    attempts = m.attempts + 1,
-    attempts_remaining = m.attempts_remaining - 1,
-    message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
-WHERE m.id = ANY(ARRAY(SELECT tablemail_due($1::int)))
-RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count,
-          m.from_name, m.from_address, m.to_address, m.cc, m.bcc, m.reply_to, m.subject,
-          m.body, m.body_html, m.headers::text AS headers, m.message_id,
-          m.created_at < now() - $5 * interval '1 millisecond' AS expired
+WITH claimed AS (
+    UPDATE mail_queue AS m
+    SET status = 'sending',
+        thread_lock = $2,
+        locked_at = now(),
+        attempts = m.attempts + 1,
+        attempts_remaining = m.attempts_remaining - 1,
+        message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
+    WHERE m.id = ANY(ARRAY(SELECT tablemail_due($1::int)))
+    RETURNING m.*
+)
+SELECT c.id, c.priority, c.attempts, c.attempts_remaining, c.relay_down_count, c.message_id,
+       GREATEST(c.created_at, c.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
+       s.content_bytes, s.body_bytes, a.attachment_count, a.attachment_bytes,
+       s.content_bytes <= $6 AS inline,
+       CASE WHEN s.content_bytes <= $6 THEN c.from_name END AS from_name,
+       CASE WHEN s.content_bytes <= $6 THEN c.from_address END AS from_address,
+       CASE WHEN s.content_bytes <= $6 THEN c.to_address END AS to_address,
+       CASE WHEN s.content_bytes <= $6 THEN c.cc END AS cc,
+       CASE WHEN s.content_bytes <= $6 THEN c.bcc END AS bcc,
+       CASE WHEN s.content_bytes <= $6 THEN c.reply_to END AS reply_to,
+       CASE WHEN s.content_bytes <= $6 THEN c.subject END AS subject,
+       CASE WHEN s.content_bytes <= $6 THEN c.body END AS body,
+       CASE WHEN s.content_bytes <= $6 THEN c.body_html END AS body_html,
+       CASE WHEN s.content_bytes <= $6 THEN c.headers::text END AS headers
+FROM claimed AS c
+CROSS JOIN LATERAL (
+    SELECT (COALESCE(octet_length(c.body), 0) + COALESCE(octet_length(c.body_html), 0))::int8
+               AS body_bytes,
+           (COALESCE(octet_length(c.body), 0) + COALESCE(octet_length(c.body_html), 0)
+            + COALESCE(octet_length(c.from_name), 0) + COALESCE(octet_length(c.from_address), 0)
+            + octet_length(c.to_address) + COALESCE(octet_length(c.cc), 0)
+            + COALESCE(octet_length(c.bcc), 0) + COALESCE(octet_length(c.reply_to), 0)
+            + octet_length(c.subject) + COALESCE(pg_column_size(c.headers), 0))::int8
+               AS content_bytes
+) AS s
+CROSS JOIN LATERAL (
+    SELECT count(*)::int8 AS attachment_count,
+           COALESCE(sum(octet_length(x.content)), 0)::int8 AS attachment_bytes
+    FROM mail_attachment AS x WHERE x.mail_id = c.id
+) AS a
 "#;
 
 // The outcomes come sorted by id: rows are locked in the same order as lock
@@ -107,12 +140,47 @@ SET status = f.status,
                                          ELSE m.relay_down_count END,
     thread_lock = NULL,
     locked_at = NULL,
-    last_error = COALESCE(f.last_error, m.last_error)
+    last_error = COALESCE(f.last_error, m.last_error),
+    relay_reply = COALESCE(f.relay_reply, m.relay_reply)
 FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::bool[],
-            $7::bool[], $8::int2[])
-     AS f(id, lock, status, delay_ms, last_error, refund, processed, relay_down)
+            $7::bool[], $8::int2[], $9::text[])
+     AS f(id, lock, status, delay_ms, last_error, refund, processed, relay_down, relay_reply)
 WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
 RETURNING m.id
+"#;
+
+// FINALIZE with the history rows of the group, written by the same
+// statement for the rows it updated: a group that has none (every mail sent)
+// keeps to the plain statement.
+const FINALIZE_WITH_EVENTS: &str = r#"
+WITH done AS (
+    UPDATE mail_queue AS m
+    SET status = f.status,
+        send_at = CASE WHEN f.delay_ms >= 0 THEN now() + f.delay_ms * interval '1 millisecond'
+                       ELSE m.send_at END,
+        attempts = m.attempts - f.refund::int,
+        attempts_remaining = m.attempts_remaining + f.refund::int,
+        processed_at = CASE WHEN f.processed THEN now() ELSE m.processed_at END,
+        relay_down_count = CASE f.relay_down WHEN 0 THEN 0
+                                             WHEN 1 THEN m.relay_down_count + 1
+                                             ELSE m.relay_down_count END,
+        thread_lock = NULL,
+        locked_at = NULL,
+        last_error = COALESCE(f.last_error, m.last_error),
+        relay_reply = COALESCE(f.relay_reply, m.relay_reply)
+    FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::bool[],
+                $7::bool[], $8::int2[], $9::text[])
+         AS f(id, lock, status, delay_ms, last_error, refund, processed, relay_down, relay_reply)
+    WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
+    RETURNING m.id
+), history AS (
+    INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
+    SELECT e.id, e.attempt, e.outcome, e.stage, e.smtp_code, e.detail
+    FROM unnest($10::bigint[], $11::int[], $12::text[], $13::text[], $14::int[], $15::text[])
+         AS e(id, attempt, outcome, stage, smtp_code, detail)
+    JOIN done ON done.id = e.id
+)
+SELECT id FROM done
 "#;
 
 const RENEW: &str = r#"
@@ -122,19 +190,29 @@ WHERE m.id = h.id AND m.thread_lock = h.lock AND m.status = 'sending'
 "#;
 
 const RELEASE_STALE: &str = r#"
-UPDATE mail_queue
-SET status = CASE WHEN attempts_remaining > 0 THEN 'queued' ELSE 'failed' END,
-    processed_at = CASE WHEN attempts_remaining > 0 THEN processed_at ELSE now() END,
-    last_error = CASE WHEN attempts_remaining > 0 THEN last_error
-                      ELSE 'lock expired: the worker stopped during the last attempt' END,
-    thread_lock = NULL,
-    locked_at = NULL
-WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond'
-  AND thread_lock <> ALL($2::uuid[])
-RETURNING id, status = 'queued' AS requeued
+WITH released AS (
+    UPDATE mail_queue
+    SET status = CASE WHEN attempts_remaining > 0 THEN 'queued' ELSE 'failed' END,
+        processed_at = CASE WHEN attempts_remaining > 0 THEN processed_at ELSE now() END,
+        last_error = CASE WHEN attempts_remaining > 0 THEN last_error
+                          ELSE 'lock expired: the worker stopped during the last attempt' END,
+        thread_lock = NULL,
+        locked_at = NULL
+    WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond'
+      AND thread_lock <> ALL($2::uuid[])
+    RETURNING id, attempts, status = 'queued' AS requeued
+), history AS (
+    INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+    SELECT id, attempts, 'stale', 'lock',
+           CASE WHEN requeued THEN 'lock expired: the worker stopped during this attempt'
+                ELSE 'lock expired: the worker stopped during the last attempt' END
+    FROM released
+)
+SELECT id, requeued FROM released
 "#;
 
 static QUERIES: Queries = Queries {
+    placeholder: |i| format!("${i}"),
     status_counts: r#"
 SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status
 "#,
@@ -143,13 +221,14 @@ SELECT
     (SELECT EXTRACT(EPOCH FROM now() - min(send_at))::float8 FROM mail_queue
       WHERE status = 'queued' AND send_at <= now()) AS oldest_due,
     (SELECT count(*) FROM mail_queue
-      WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond') AS stale,
-    (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > now() - interval '1 minute') AS sent_1m,
-    (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > now() - interval '5 minutes') AS sent_5m,
-    (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND processed_at > now() - interval '15 minutes') AS sent_15m
+      WHERE status = 'sending' AND locked_at < now() - $1 * interval '1 millisecond') AS stale
+"#,
+    status_rates: r#"
+SELECT
+    COALESCE(sum(sent) FILTER (WHERE minute >= date_trunc('minute', now()) - interval '1 minute'), 0)::int8 AS sent_1m,
+    COALESCE(sum(sent) FILTER (WHERE minute >= date_trunc('minute', now()) - interval '5 minutes'), 0)::int8 AS sent_5m,
+    COALESCE(sum(sent), 0)::int8 AS sent_15m
+FROM tablemail_minute WHERE minute >= date_trunc('minute', now()) - interval '15 minutes'
 "#,
     recent_failures: r#"
 SELECT id, status, processed_at, last_error FROM mail_queue
@@ -157,18 +236,40 @@ WHERE status IN ('failed', 'unknown')
 ORDER BY processed_at DESC NULLS LAST, id DESC
 LIMIT 10
 "#,
-    failure_reasons: r#"
-SELECT status, last_error FROM mail_queue
-WHERE status IN ('failed', 'unknown', 'queued') AND last_error IS NOT NULL
-  AND processed_at > now() - $1 * interval '1 millisecond'
-ORDER BY processed_at DESC
-LIMIT $2
+    failure_groups: r#"
+SELECT outcome, stage, smtp_code, count(*) AS count, max(detail) AS example
+FROM mail_event
+WHERE at > now() - $1 * interval '1 millisecond' AND outcome NOT IN ('retried', 'cancelled')
+GROUP BY outcome, stage, smtp_code
+ORDER BY count(*) DESC, outcome, stage, smtp_code
+"#,
+    load_content: r#"
+SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
+       headers::text AS headers
+FROM mail_queue WHERE id = $1 AND thread_lock = $2::uuid AND status = 'sending'
+"#,
+    load_attachments: r#"
+SELECT filename, content_type, content, content_id FROM mail_attachment
+WHERE mail_id = $1 ORDER BY id
+"#,
+    insert_attachment: r#"
+INSERT INTO mail_attachment (mail_id, filename, content_type, content, content_id)
+VALUES ($1, $2, $3, $4, $5)
+"#,
+    retry_events: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT id, attempts, $1, 'operator', $2 FROM mail_queue
+WHERE status IN ('failed', 'unknown') AND id = COALESCE($3, id)
 "#,
     retry: r#"
 UPDATE mail_queue
-SET status = 'queued', attempts_remaining = $1, send_at = now(), created_at = now(),
+SET status = 'queued', attempts_remaining = $1, send_at = now(), retried_at = now(),
     relay_down_count = 0, thread_lock = NULL, locked_at = NULL
 WHERE status IN ('failed', 'unknown') AND id = COALESCE($2, id)
+"#,
+    cancel_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT id, attempts, $1, 'operator', $2 FROM mail_queue WHERE id = $3 AND status = 'queued'
 "#,
     cancel: r#"
 UPDATE mail_queue SET status = 'cancelled', processed_at = now()
@@ -191,6 +292,48 @@ DELETE FROM mail_queue WHERE id IN (
     ORDER BY processed_at
     LIMIT $2
 )
+"#,
+    mail_columns: r#"
+SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
+       retried_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
+       from_address, to_address, cc, bcc, reply_to, body, body_html, headers::text AS headers
+FROM mail_queue "#,
+    attachments_of: r#"
+SELECT filename, content_type, octet_length(content)::int8 AS size, content_id
+FROM mail_attachment WHERE mail_id = $1 ORDER BY id
+"#,
+    events_of: r#"
+SELECT at, attempt, outcome, stage, smtp_code, detail FROM mail_event
+WHERE mail_id = $1 ORDER BY id
+"#,
+    summary_columns: r#"
+SELECT id, status, priority, attempts, created_at, send_at, processed_at, to_address, cc, bcc,
+       subject, last_error
+FROM mail_queue "#,
+    daemon_upsert: r#"
+INSERT INTO tablemail_daemon (id, host, pid, version, in_flight, sent)
+VALUES ($1::uuid, $2, $3, $4, $5, $6)
+ON CONFLICT (id) DO UPDATE
+SET last_seen = now(), in_flight = excluded.in_flight, sent = excluded.sent
+"#,
+    minute_upsert: r#"
+INSERT INTO tablemail_minute (minute, daemon_id, sent, failed)
+VALUES (date_trunc('minute', now()), $1::uuid, $2, $3)
+ON CONFLICT (minute, daemon_id) DO UPDATE
+SET sent = tablemail_minute.sent + excluded.sent, failed = tablemail_minute.failed + excluded.failed
+"#,
+    daemons_forget: "DELETE FROM tablemail_daemon WHERE last_seen < now() - interval '1 day'",
+    minutes_forget: "DELETE FROM tablemail_minute WHERE minute < now() - interval '1 day'",
+    daemon_delete: "DELETE FROM tablemail_daemon WHERE id = $1::uuid",
+    daemons: r#"
+SELECT id::text AS id, host, pid, version, started_at, last_seen, in_flight, sent,
+       last_seen < now() - $1 * interval '1 second' AS silent
+FROM tablemail_daemon ORDER BY started_at, id
+"#,
+    minutes: r#"
+SELECT minute, sum(sent)::int8 AS sent, sum(failed)::int8 AS failed FROM tablemail_minute
+WHERE minute > date_trunc('minute', now()) - $1 * interval '1 minute'
+GROUP BY minute ORDER BY minute
 "#,
 };
 
@@ -231,6 +374,7 @@ impl Store for PgStore {
                         .bind(b.nonce)
                         .bind(b.domain)
                         .bind(b.max_age)
+                        .bind(b.inline_limit)
                         .fetch_all(&mut *c)
                         .await?;
                     rows.iter().map(|row| queued_mail(row, b.lock)).collect()
@@ -245,23 +389,17 @@ impl Store for PgStore {
         }
         let mut sorted: Vec<&Finalize> = writes.iter().collect();
         sorted.sort_unstable_by_key(|w| w.id);
-        let n = sorted.len();
-        let mut cols = FinalizeArrays::with_capacity(n);
-        for w in sorted {
-            let c = w.action.columns();
-            cols.ids.push(w.id);
-            cols.locks.push(w.lock.0);
-            cols.statuses.push(c.status);
-            cols.delays.push(c.delay_ms);
-            cols.errors.push(c.error.map(str::to_string));
-            cols.refunds.push(c.refund);
-            cols.processed.push(c.processed);
-            cols.relay_down.push(c.relay_down as i16);
-        }
+        let cols = FinalizeArrays::of(&sorted);
         self.shared
             .run(|c| {
                 Box::pin(async move {
-                    let rows = sqlx::query(FINALIZE)
+                    let has_events = !cols.events.ids.is_empty();
+                    let sql = if has_events {
+                        FINALIZE_WITH_EVENTS
+                    } else {
+                        FINALIZE
+                    };
+                    let mut query = sqlx::query(sql)
                         .bind(cols.ids)
                         .bind(cols.locks)
                         .bind(cols.statuses)
@@ -270,8 +408,18 @@ impl Store for PgStore {
                         .bind(cols.refunds)
                         .bind(cols.processed)
                         .bind(cols.relay_down)
-                        .fetch_all(&mut *c)
-                        .await?;
+                        .bind(cols.relay_replies);
+                    if has_events {
+                        let e = cols.events;
+                        query = query
+                            .bind(e.ids)
+                            .bind(e.attempts)
+                            .bind(e.outcomes)
+                            .bind(e.stages)
+                            .bind(e.codes)
+                            .bind(e.details);
+                    }
+                    let rows = query.fetch_all(&mut *c).await?;
                     rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
                 })
             })
@@ -310,12 +458,11 @@ impl Store for PgStore {
         self.shared
             .run(|c| {
                 Box::pin(async move {
-                    let rows = sqlx::query(RELEASE_STALE)
+                    sqlx::query_as(RELEASE_STALE)
                         .bind(older_than)
                         .bind(spare)
                         .fetch_all(&mut *c)
-                        .await?;
-                    stale_rows(&rows)
+                        .await
                 })
             })
             .await
@@ -335,6 +482,7 @@ impl Store for PgStore {
                             _ => format!("${i}"),
                         },
                         EXISTING_DEDUPE,
+                        QUERIES.insert_attachment,
                     )
                     .await?;
                     tx.commit().await?;
@@ -393,7 +541,7 @@ impl Store for PgStore {
     }
 }
 
-/// The arrays FINALIZE unnests.
+/// The arrays FINALIZE unnests, in id order.
 struct FinalizeArrays {
     ids: Vec<i64>,
     locks: Vec<Uuid>,
@@ -403,11 +551,25 @@ struct FinalizeArrays {
     refunds: Vec<bool>,
     processed: Vec<bool>,
     relay_down: Vec<i16>,
+    relay_replies: Vec<Option<String>>,
+    events: EventArrays,
+}
+
+/// The history rows FINALIZE_WITH_EVENTS unnests.
+#[derive(Default)]
+struct EventArrays {
+    ids: Vec<i64>,
+    attempts: Vec<i32>,
+    outcomes: Vec<&'static str>,
+    stages: Vec<Option<&'static str>>,
+    codes: Vec<Option<i32>>,
+    details: Vec<Option<String>>,
 }
 
 impl FinalizeArrays {
-    fn with_capacity(n: usize) -> Self {
-        FinalizeArrays {
+    fn of(writes: &[&Finalize]) -> Self {
+        let n = writes.len();
+        let mut a = FinalizeArrays {
             ids: Vec::with_capacity(n),
             locks: Vec::with_capacity(n),
             statuses: Vec::with_capacity(n),
@@ -416,7 +578,30 @@ impl FinalizeArrays {
             refunds: Vec::with_capacity(n),
             processed: Vec::with_capacity(n),
             relay_down: Vec::with_capacity(n),
+            relay_replies: Vec::with_capacity(n),
+            events: EventArrays::default(),
+        };
+        for w in writes {
+            let c = w.action.columns();
+            a.ids.push(w.id);
+            a.locks.push(w.lock.0);
+            a.statuses.push(c.status);
+            a.delays.push(c.delay_ms);
+            a.errors.push(c.error.map(str::to_string));
+            a.refunds.push(c.refund);
+            a.processed.push(c.processed);
+            a.relay_down.push(c.relay_down as i16);
+            a.relay_replies.push(w.relay_reply.clone());
+            if let Some(e) = w.event_columns() {
+                a.events.ids.push(w.id);
+                a.events.attempts.push(e.attempt);
+                a.events.outcomes.push(e.outcome);
+                a.events.stages.push(e.stage);
+                a.events.codes.push(e.smtp_code);
+                a.events.details.push(e.detail.map(str::to_string));
+            }
         }
+        a
     }
 }
 

@@ -12,7 +12,7 @@ use sqlx::{
         SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions,
         SqliteSynchronous,
     },
-    ConnectOptions as _, Connection, Row,
+    ConnectOptions as _, Connection, FromRow, Row,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -20,8 +20,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     migrations::{self, SQLITE},
     shared::{
-        self, finalize_json, held_json, locks_json, queued_mail, stale_rows, Common, Param,
-        Queries, Shared,
+        self, finalize_json, held_json, locks_json, queued_mail, Common, Param, Queries, Shared,
     },
     Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail, Result,
     StaleRow, Store,
@@ -56,16 +55,44 @@ impl SqliteStore {
                 queries: &QUERIES,
                 unit: shared::millis,
                 migrator: migrations::migrator(SQLITE),
+                begin_write: "BEGIN IMMEDIATE",
             },
             options: connect,
         })
     }
 }
 
+/// The octets of a row's text columns together (`octet_length` reads a
+/// value's size, not the value).
+macro_rules! content_bytes {
+    () => {
+        "(coalesce(octet_length(body), 0) + coalesce(octet_length(body_html), 0) \
+         + coalesce(octet_length(from_name), 0) + coalesce(octet_length(from_address), 0) \
+         + octet_length(to_address) + coalesce(octet_length(cc), 0) \
+         + coalesce(octet_length(bcc), 0) + coalesce(octet_length(reply_to), 0) \
+         + octet_length(subject) + coalesce(octet_length(headers), 0))"
+    };
+}
+
+/// A text column, only when the row is within the inline limit (?6).
+macro_rules! inline {
+    ($column:literal) => {
+        concat!(
+            "CASE WHEN ",
+            content_bytes!(),
+            " <= ?6 THEN ",
+            $column,
+            " END AS ",
+            $column
+        )
+    };
+}
+
 // INDEXED BY: the claim walks the pending index in claim order and stops after
 // the batch, whatever `ANALYZE` found (with statistics that saw few queued rows
 // SQLite would rather scan and sort).
-const CLAIM: &str = r#"
+const CLAIM: &str = concat!(
+    r#"
 UPDATE mail_queue
 SET status = 'sending',
     thread_lock = ?1,
@@ -79,10 +106,39 @@ WHERE id IN (
     ORDER BY priority DESC, send_at, id
     LIMIT ?4
 )
-RETURNING id, priority, attempts, attempts_remaining, relay_down_count, from_name,
-          from_address, to_address, cc, bcc, reply_to, subject, body, body_html, headers,
-          message_id, julianday(created_at) < julianday('now') - ?5 / 86400000.0 AS expired
-"#;
+RETURNING id, priority, attempts, attempts_remaining, relay_down_count, message_id,
+    julianday(max(created_at, coalesce(retried_at, created_at))) < julianday('now') - ?5 / 86400000.0
+        AS expired,
+    coalesce(octet_length(body), 0) + coalesce(octet_length(body_html), 0) AS body_bytes,
+    "#,
+    content_bytes!(),
+    r#" AS content_bytes,
+    (SELECT count(*) FROM mail_attachment WHERE mail_id = mail_queue.id) AS attachment_count,
+    (SELECT coalesce(sum(octet_length(content)), 0) FROM mail_attachment
+      WHERE mail_id = mail_queue.id) AS attachment_bytes,
+    "#,
+    content_bytes!(),
+    " <= ?6 AS inline, ",
+    inline!("from_name"),
+    ", ",
+    inline!("from_address"),
+    ", ",
+    inline!("to_address"),
+    ", ",
+    inline!("cc"),
+    ", ",
+    inline!("bcc"),
+    ", ",
+    inline!("reply_to"),
+    ", ",
+    inline!("subject"),
+    ", ",
+    inline!("body"),
+    ", ",
+    inline!("body_html"),
+    ", ",
+    inline!("headers"),
+);
 
 // NOT INDEXED (here and in RENEW): the rows are found through their rowid, one
 // per outcome. With statistics taken while no row was sending, SQLite would
@@ -104,16 +160,28 @@ SET status = f.status,
                                          ELSE mail_queue.relay_down_count END,
     thread_lock = NULL,
     locked_at = NULL,
-    last_error = COALESCE(f.last_error, mail_queue.last_error)
+    last_error = COALESCE(f.last_error, mail_queue.last_error),
+    relay_reply = COALESCE(f.relay_reply, mail_queue.relay_reply)
 FROM (
     SELECT value ->> '$.id' AS id, value ->> '$.lock' AS lock, value ->> '$.status' AS status,
            value ->> '$.delay_ms' AS delay_ms, value ->> '$.error' AS last_error,
            value ->> '$.refund' AS refund, value ->> '$.processed' AS processed,
-           value ->> '$.relay_down' AS relay_down
+           value ->> '$.relay_down' AS relay_down, value ->> '$.relay_reply' AS relay_reply
     FROM json_each(?1)
 ) AS f
 WHERE mail_queue.id = f.id AND mail_queue.thread_lock = f.lock AND mail_queue.status = 'sending'
 RETURNING mail_queue.id
+"#;
+
+// The history rows of the outcomes FINALIZE wrote (?2: their ids), in the
+// same transaction.
+const FINALIZE_EVENTS: &str = r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
+SELECT value ->> '$.id', value ->> '$.ev_attempt', value ->> '$.ev_outcome',
+       value ->> '$.ev_stage', value ->> '$.ev_code', value ->> '$.ev_detail'
+FROM json_each(?1)
+WHERE value ->> '$.ev_outcome' IS NOT NULL
+  AND value ->> '$.id' IN (SELECT value FROM json_each(?2))
 "#;
 
 const RENEW: &str = r#"
@@ -133,10 +201,21 @@ SET status = CASE WHEN attempts_remaining > 0 THEN 'queued' ELSE 'failed' END,
     locked_at = NULL
 WHERE status = 'sending' AND julianday(locked_at) < julianday('now') - ?1 / 86400000.0
   AND thread_lock NOT IN (SELECT value FROM json_each(?2))
-RETURNING id, status = 'queued' AS requeued
+RETURNING id, attempts, status = 'queued' AS requeued
+"#;
+
+// The history rows of the released rows (?1: a JSON array of [id, attempts,
+// requeued]), in the same transaction.
+const STALE_EVENTS: &str = r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT value ->> '$[0]', value ->> '$[1]', 'stale', 'lock',
+       CASE WHEN value ->> '$[2]' THEN 'lock expired: the worker stopped during this attempt'
+            ELSE 'lock expired: the worker stopped during the last attempt' END
+FROM json_each(?1)
 "#;
 
 static QUERIES: Queries = Queries {
+    placeholder: |i| format!("?{i}"),
     status_counts: r#"
 SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status
 "#,
@@ -145,13 +224,16 @@ SELECT
     (SELECT (julianday('now') - julianday(min(send_at))) * 86400.0 FROM mail_queue
       WHERE status = 'queued' AND julianday(send_at) <= julianday('now')) AS oldest_due,
     (SELECT count(*) FROM mail_queue
-      WHERE status = 'sending' AND julianday(locked_at) < julianday('now') - ?1 / 86400000.0) AS stale,
-    (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-1 minutes')) AS sent_1m,
-    (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-5 minutes')) AS sent_5m,
-    (SELECT count(*) FROM mail_queue
-      WHERE status = 'sent' AND julianday(processed_at) > julianday('now', '-15 minutes')) AS sent_15m
+      WHERE status = 'sending' AND julianday(locked_at) < julianday('now') - ?1 / 86400000.0) AS stale
+"#,
+    status_rates: r#"
+SELECT
+    coalesce(sum(CASE WHEN minute >= strftime('%Y-%m-%d %H:%M:00.000', 'now', '-1 minutes')
+                      THEN sent END), 0) AS sent_1m,
+    coalesce(sum(CASE WHEN minute >= strftime('%Y-%m-%d %H:%M:00.000', 'now', '-5 minutes')
+                      THEN sent END), 0) AS sent_5m,
+    coalesce(sum(sent), 0) AS sent_15m
+FROM tablemail_minute WHERE minute >= strftime('%Y-%m-%d %H:%M:00.000', 'now', '-15 minutes')
 "#,
     recent_failures: r#"
 SELECT id, status, processed_at, last_error FROM mail_queue
@@ -159,19 +241,40 @@ WHERE status IN ('failed', 'unknown')
 ORDER BY processed_at IS NULL, processed_at DESC, id DESC
 LIMIT 10
 "#,
-    failure_reasons: r#"
-SELECT status, last_error FROM mail_queue
-WHERE status IN ('failed', 'unknown', 'queued') AND last_error IS NOT NULL
-  AND julianday(processed_at) > julianday('now') - ?1 / 86400000.0
-ORDER BY processed_at DESC
-LIMIT ?2
+    failure_groups: r#"
+SELECT outcome, stage, smtp_code, count(*) AS count, max(detail) AS example
+FROM mail_event
+WHERE julianday(at) > julianday('now') - ?1 / 86400000.0 AND outcome NOT IN ('retried', 'cancelled')
+GROUP BY outcome, stage, smtp_code
+ORDER BY count(*) DESC, outcome, stage, smtp_code
+"#,
+    load_content: r#"
+SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html, headers
+FROM mail_queue WHERE id = ?1 AND thread_lock = ?2 AND status = 'sending'
+"#,
+    load_attachments: r#"
+SELECT filename, content_type, content, content_id FROM mail_attachment
+WHERE mail_id = ?1 ORDER BY id
+"#,
+    insert_attachment: r#"
+INSERT INTO mail_attachment (mail_id, filename, content_type, content, content_id)
+VALUES (?1, ?2, ?3, ?4, ?5)
+"#,
+    retry_events: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT id, attempts, ?1, 'operator', ?2 FROM mail_queue
+WHERE status IN ('failed', 'unknown') AND id = COALESCE(?3, id)
 "#,
     retry: r#"
 UPDATE mail_queue
 SET status = 'queued', attempts_remaining = ?1,
-    send_at = strftime('%Y-%m-%d %H:%M:%f', 'now'), created_at = strftime('%Y-%m-%d %H:%M:%f', 'now'),
+    send_at = strftime('%Y-%m-%d %H:%M:%f', 'now'), retried_at = strftime('%Y-%m-%d %H:%M:%f', 'now'),
     relay_down_count = 0, thread_lock = NULL, locked_at = NULL
 WHERE status IN ('failed', 'unknown') AND id = COALESCE(?2, id)
+"#,
+    cancel_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
+SELECT id, attempts, ?1, 'operator', ?2 FROM mail_queue WHERE id = ?3 AND status = 'queued'
 "#,
     cancel: r#"
 UPDATE mail_queue SET status = 'cancelled', processed_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
@@ -193,6 +296,50 @@ DELETE FROM mail_queue WHERE id IN (
     ORDER BY processed_at
     LIMIT ?2
 )
+"#,
+    mail_columns: r#"
+SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
+       retried_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
+       from_address, to_address, cc, bcc, reply_to, body, body_html, headers
+FROM mail_queue "#,
+    attachments_of: r#"
+SELECT filename, content_type, octet_length(content) AS size, content_id
+FROM mail_attachment WHERE mail_id = ?1 ORDER BY id
+"#,
+    events_of: r#"
+SELECT at, attempt, outcome, stage, smtp_code, detail FROM mail_event
+WHERE mail_id = ?1 ORDER BY id
+"#,
+    summary_columns: r#"
+SELECT id, status, priority, attempts, created_at, send_at, processed_at, to_address, cc, bcc,
+       subject, last_error
+FROM mail_queue "#,
+    daemon_upsert: r#"
+INSERT INTO tablemail_daemon (id, host, pid, version, in_flight, sent)
+VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+ON CONFLICT (id) DO UPDATE
+SET last_seen = strftime('%Y-%m-%d %H:%M:%f', 'now'), in_flight = excluded.in_flight,
+    sent = excluded.sent
+"#,
+    minute_upsert: r#"
+INSERT INTO tablemail_minute (minute, daemon_id, sent, failed)
+VALUES (strftime('%Y-%m-%d %H:%M:00.000', 'now'), ?1, ?2, ?3)
+ON CONFLICT (minute, daemon_id) DO UPDATE
+SET sent = tablemail_minute.sent + excluded.sent, failed = tablemail_minute.failed + excluded.failed
+"#,
+    daemons_forget:
+        "DELETE FROM tablemail_daemon WHERE julianday(last_seen) < julianday('now') - 1",
+    minutes_forget: "DELETE FROM tablemail_minute WHERE julianday(minute) < julianday('now') - 1",
+    daemon_delete: "DELETE FROM tablemail_daemon WHERE id = ?1",
+    daemons: r#"
+SELECT id, host, pid, version, started_at, last_seen, in_flight, sent,
+       julianday(last_seen) < julianday('now') - ?1 / 86400.0 AS silent
+FROM tablemail_daemon ORDER BY started_at, id
+"#,
+    minutes: r#"
+SELECT minute, sum(sent) AS sent, sum(failed) AS failed FROM tablemail_minute
+WHERE julianday(minute) > julianday(strftime('%Y-%m-%d %H:%M:00.000', 'now')) - ?1 / 1440.0
+GROUP BY minute ORDER BY minute
 "#,
 };
 
@@ -219,6 +366,7 @@ impl Store for SqliteStore {
                         .bind(b.domain)
                         .bind(b.limit)
                         .bind(b.max_age)
+                        .bind(b.inline_limit)
                         .fetch_all(&mut *c)
                         .await?;
                     rows.iter().map(|row| queued_mail(row, b.lock)).collect()
@@ -232,11 +380,30 @@ impl Store for SqliteStore {
             return Ok(Vec::new());
         }
         let json = finalize_json(writes);
+        let events = writes.iter().any(|w| w.event.is_some());
         self.shared
             .run(|c| {
                 Box::pin(async move {
-                    let rows = sqlx::query(FINALIZE).bind(json).fetch_all(&mut *c).await?;
-                    rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
+                    if !events {
+                        let rows = sqlx::query(FINALIZE).bind(json).fetch_all(&mut *c).await?;
+                        return rows.iter().map(|r| r.try_get::<i64, _>(0)).collect();
+                    }
+                    let mut tx = c.begin_with("BEGIN IMMEDIATE").await?;
+                    let rows = sqlx::query(FINALIZE)
+                        .bind(json.clone())
+                        .fetch_all(&mut *tx)
+                        .await?;
+                    let written = rows
+                        .iter()
+                        .map(|r| r.try_get::<i64, _>(0))
+                        .collect::<Result<Vec<i64>, _>>()?;
+                    sqlx::query(FINALIZE_EVENTS)
+                        .bind(json)
+                        .bind(serde_json::to_string(&written).expect("ids serialize"))
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok(written)
                 })
             })
             .await
@@ -266,12 +433,28 @@ impl Store for SqliteStore {
         self.shared
             .run(|c| {
                 Box::pin(async move {
+                    let mut tx = c.begin_with("BEGIN IMMEDIATE").await?;
                     let rows = sqlx::query(RELEASE_STALE)
                         .bind(older_than)
                         .bind(spare)
-                        .fetch_all(&mut *c)
+                        .fetch_all(&mut *tx)
                         .await?;
-                    stale_rows(&rows)
+                    let mut released = Vec::with_capacity(rows.len());
+                    let mut history = Vec::with_capacity(rows.len());
+                    for row in &rows {
+                        let stale = StaleRow::from_row(row)?;
+                        let attempts: i64 = row.try_get("attempts")?;
+                        history.push(serde_json::json!([stale.id, attempts, stale.requeued]));
+                        released.push(stale);
+                    }
+                    if !released.is_empty() {
+                        sqlx::query(STALE_EVENTS)
+                            .bind(serde_json::Value::Array(history).to_string())
+                            .execute(&mut *tx)
+                            .await?;
+                    }
+                    tx.commit().await?;
+                    Ok(released)
                 })
             })
             .await
@@ -296,6 +479,7 @@ impl Store for SqliteStore {
                             _ => format!("?{i}"),
                         },
                         EXISTING_DEDUPE,
+                        QUERIES.insert_attachment,
                     )
                     .await?;
                     tx.commit().await?;

@@ -1,14 +1,19 @@
 //! What runs beside the pipeline: renewing the locks of rows still held,
 //! releasing the stale locks of dead workers, purging finished rows past their
-//! retention (and vacuuming when the database does not), and telling systemd
-//! that the worker lives.
+//! retention (and vacuuming when the database does not), reporting this
+//! daemon to the others (`tablemail_daemon`), and telling systemd that the
+//! worker lives.
 
 use std::{sync::Arc, time::Duration};
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-use crate::{store::Maintenance, systemd};
+use crate::{
+    metrics::Outcome,
+    store::{DaemonBeat, Maintenance},
+    systemd,
+};
 
 use super::Worker;
 
@@ -122,6 +127,39 @@ impl Worker {
                 _ = stop.cancelled() => return,
                 _ = tokio::time::sleep(PURGE_EVERY) => {}
             }
+        }
+    }
+
+    /// Reports this daemon every few seconds: what it holds, what it sent
+    /// and failed since the last report (the per-minute counts behind
+    /// `status`'s rates and the console's chart). Its row goes when it stops.
+    pub(super) async fn heartbeat(self: Arc<Self>, stop: CancellationToken) {
+        const EVERY: Duration = Duration::from_secs(5);
+        let (mut sent_before, mut failed_before) = (0, 0);
+        loop {
+            let sent = self.metrics.count(Outcome::Sent);
+            let failed = self.metrics.count(Outcome::Failed);
+            let beat = DaemonBeat {
+                id: self.daemon_id,
+                host: self.message_id_domain.clone(),
+                pid: std::process::id() as i32,
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                in_flight: self.held.len() as i32,
+                sent_total: sent as i64,
+                sent_since: (sent - sent_before) as i64,
+                failed_since: (failed - failed_before) as i64,
+            };
+            match self.store.heartbeat(&beat).await {
+                Ok(()) => (sent_before, failed_before) = (sent, failed),
+                Err(e) => tracing::debug!(error = %e, "daemon report failed"),
+            }
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(EVERY) => {}
+            }
+        }
+        if let Err(e) = self.store.daemon_stopped(self.daemon_id).await {
+            tracing::debug!(error = %e, "could not remove this daemon's row");
         }
     }
 

@@ -15,9 +15,11 @@
 //! - [`routing`]: probing the relay, the fallback relay, the staging redirect.
 //! - [`pace`]: `worker.rate_limit`, domain and relay throttling.
 //! - [`held`]: the rows this process holds.
+//! - [`budget`]: the memory budget of mails loaded to be sent.
 //! - [`chores`]: lock renewal, stale-lock sweeps, purge, watchdog.
 //! - [`retry`]: backoff arithmetic.
 
+mod budget;
 mod chores;
 mod held;
 pub mod outcome;
@@ -49,6 +51,7 @@ use crate::{
     systemd,
 };
 
+use budget::MemoryBudget;
 use held::Held;
 use outcome::Policy;
 use pace::{Pace, Throttles};
@@ -100,10 +103,14 @@ pub struct Worker {
     pace: Pace,
     throttles: Throttles,
     held: Held,
+    /// Bounds the large mails and attachments loaded at once.
+    memory: MemoryBudget,
     /// New rows may be due (NOTIFY, a released stale lock).
     wake: Arc<Notify>,
     /// A group commit made room for more claimed rows.
     freed: Notify,
+    /// This process among the daemons (`tablemail_daemon`).
+    daemon_id: uuid::Uuid,
     /// When the database last answered a claim or a commit, in ms since `born`.
     db_answered_ms: AtomicU64,
     born: std::time::Instant,
@@ -128,6 +135,7 @@ impl Worker {
             pace: Pace::new(settings.rate_limit),
             metrics: Arc::new(Metrics::default()),
             db_answered_ms: AtomicU64::new(0),
+            daemon_id: uuid::Uuid::new_v4(),
             born: std::time::Instant::now(),
             store,
             transport,
@@ -138,6 +146,7 @@ impl Worker {
             relay: RelayGate::default(),
             throttles: Throttles::default(),
             held: Held::default(),
+            memory: MemoryBudget::new(budget::LOAD_BUDGET),
             wake: Arc::new(Notify::new()),
             freed: Notify::new(),
         })
@@ -220,6 +229,7 @@ impl Worker {
         chores.spawn(self.clone().sweep(background.clone()));
         chores.spawn(self.clone().probe_relay(background.clone()));
         chores.spawn(self.clone().purge(background.clone()));
+        chores.spawn(self.clone().heartbeat(background.clone()));
 
         let queue = Arc::new(JobQueue::default());
         let stop = Stop {
@@ -251,6 +261,7 @@ impl Worker {
             limit,
             max_age: self.settings.max_age,
             message_id_domain: &self.message_id_domain,
+            inline_limit: budget::INLINE_CONTENT,
         };
         let mut mails = self.store.claim_batch(&claim).await?;
         self.database_answered();

@@ -10,7 +10,7 @@ use crate::{
     config::Ambiguous,
     mail::MailError,
     smtp::{Delivered, SendError, Stage},
-    store::FinalAction,
+    store::{EventOutcome, FinalAction},
 };
 
 use super::retry;
@@ -80,6 +80,11 @@ pub enum Hold {
     RelayPaused,
     /// The daemon is stopping.
     ShuttingDown,
+    /// The row's content could not be loaded: the database did not answer.
+    DatabaseUnavailable,
+    /// The row's content could not be loaded: its lock is gone (another
+    /// daemon took the row back), so nothing may be written for it either.
+    LockLost,
     /// A recipient domain asked us to slow down.
     DomainThrottled { domain: String, wait: Duration },
 }
@@ -269,7 +274,9 @@ pub fn decide(
         },
         Attempt::Invalid(e) => failed(e.to_string()),
         Attempt::Expired => failed("expired".into()),
-        Attempt::Held(Hold::RelayPaused | Hold::ShuttingDown) => released(RelaySignal::Quiet),
+        Attempt::Held(
+            Hold::RelayPaused | Hold::ShuttingDown | Hold::DatabaseUnavailable | Hold::LockLost,
+        ) => released(RelaySignal::Quiet),
         Attempt::Held(Hold::DomainThrottled { domain, wait }) => deferred(
             *wait,
             format!("deferred: {domain} asked to slow down"),
@@ -278,37 +285,63 @@ pub fn decide(
     }
 }
 
-/// What a failure came to, for counting in `status`: the stage and reply
-/// code when the relay gave one ("RCPT TO 550"), otherwise a short kind. Reads
-/// back the `last_error` that [`SendError`]'s `Display` and this module write.
-pub fn failure_kind(last_error: &str) -> String {
-    let code = last_error.split_once(": ").and_then(|(stage, rest)| {
-        let code = rest.get(..3)?;
-        let valid =
-            code.bytes().all(|b| b.is_ascii_digit()) && matches!(code.as_bytes()[0], b'4' | b'5');
-        valid.then(|| format!("{stage} {code}"))
-    });
-    if let Some(code) = code {
-        return code;
-    }
-    let kind = if last_error.starts_with("expired") {
-        "expired"
-    } else if last_error.starts_with("no reply after end of data") {
-        "no reply after \".\""
-    } else if last_error.starts_with("lock expired") {
-        "worker lost"
-    } else if last_error.starts_with("deferred: ") {
-        "domain throttled"
-    } else if last_error.starts_with("no sender") {
-        "no sender configured"
-    } else if last_error.contains("connection lost") {
-        "connection lost"
-    } else if last_error.contains("interrupted by shutdown") {
-        "interrupted by shutdown"
-    } else {
-        "invalid mail"
+/// The history row an attempt leaves (DESIGN §8): every attempt that did
+/// not end in `sent`, except a row that was only held back (shutdown, a
+/// paused relay) and never tried. `None`: no row.
+pub fn history(
+    attempt: &Attempt,
+    action: &FinalAction,
+) -> Option<(EventOutcome, Option<&'static str>)> {
+    let outcome = match action {
+        FinalAction::Sent => return None,
+        FinalAction::Retry { .. } => EventOutcome::Retry,
+        FinalAction::Failed { .. } => EventOutcome::Failed,
+        FinalAction::Unknown { .. } => EventOutcome::Unknown,
+        FinalAction::Defer { .. } => EventOutcome::Deferred,
+        // Released after the relay refused it: the try is refunded, but it
+        // was a try, and the relay's answer is worth keeping.
+        FinalAction::Release if matches!(attempt, Attempt::Failed(_)) => EventOutcome::Released,
+        FinalAction::Release => return None,
     };
-    kind.to_string()
+    Some((outcome, stage_key(attempt)))
+}
+
+/// What `mail_event.stage` says of an attempt: how far the conversation got,
+/// or what stopped the mail before the relay.
+pub fn stage_key(attempt: &Attempt) -> Option<&'static str> {
+    match attempt {
+        Attempt::Delivered(_) => Some(Stage::AfterDot.key()),
+        Attempt::Failed(e) => Some(e.stage.key()),
+        Attempt::CutOff { stage, .. } => Some(stage.key()),
+        Attempt::Invalid(MailError::NoSender) => Some("config"),
+        Attempt::Invalid(_) => Some("message"),
+        Attempt::Expired => Some("queue"),
+        Attempt::Held(Hold::DomainThrottled { .. }) => Some("throttle"),
+        Attempt::Held(_) => None,
+    }
+}
+
+/// How `status` and the console name a group of history rows: the SMTP
+/// stage and reply code when the relay gave one ("RCPT TO 550"), otherwise
+/// what happened ("no reply after \".\"", "invalid mail"…).
+pub fn failure_label(stage: Option<&str>, smtp_code: Option<i32>) -> String {
+    if let (Some(stage), Some(code)) = (stage.and_then(Stage::from_key), smtp_code) {
+        return format!("{} {code}", stage.as_str());
+    }
+    match stage {
+        Some("dot") => "no reply after \".\"".into(),
+        Some("body") => "connection lost before \".\"".into(),
+        Some("message") => "invalid mail".into(),
+        Some("config") => "no sender configured".into(),
+        Some("queue") => "expired".into(),
+        Some("throttle") => "domain throttled".into(),
+        Some("lock") => "worker lost".into(),
+        Some(other) => match Stage::from_key(other) {
+            Some(stage) => format!("{} (no reply)", stage.as_str()),
+            None => other.to_string(),
+        },
+        None => "unknown".into(),
+    }
 }
 
 #[cfg(test)]

@@ -19,10 +19,14 @@ use futures_util::FutureExt;
 use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
 
+use tokio::sync::OwnedSemaphorePermit;
+
 use crate::{
-    mail::{self, MailError, PreparedMail},
+    mail::{self, MailError, MessageDefaults, PreparedMail},
     smtp::{Outgoing, Session},
-    store::{FinalAction, Finalize, QueuedMail, StoreError},
+    store::{
+        Attachment, Event, FinalAction, Finalize, MailContent, MailSizes, QueuedMail, StoreError,
+    },
 };
 
 use super::{
@@ -38,15 +42,27 @@ const FINALIZE_LINGER: Duration = Duration::from_millis(5);
 const MAX_GROUP: usize = 1000;
 /// Bodies up to this size (text and HTML together) are built on the lane's
 /// own thread when no signature is needed.
-const BUILD_IN_PLACE_LIMIT: usize = 64 * 1024;
+const BUILD_IN_PLACE_LIMIT: u64 = 64 * 1024;
 
 /// A claimed row with its message built, or the reason it cannot be.
 pub(super) struct Ready {
     mail: QueuedMail,
     prepared: Result<PreparedMail, Attempt>,
+    /// The share of the memory budget its loaded content takes, given back
+    /// when the mail is done with.
+    _memory: Option<OwnedSemaphorePermit>,
 }
 
 impl Ready {
+    /// A row that is not tried now.
+    fn held(mail: QueuedMail, why: Attempt) -> Ready {
+        Ready {
+            mail,
+            prepared: Err(why),
+            _memory: None,
+        }
+    }
+
     fn outgoing(&self) -> Option<Outgoing<'_>> {
         self.prepared.as_ref().ok().map(|p| Outgoing {
             id: self.mail.id,
@@ -57,20 +73,52 @@ impl Ready {
 }
 
 /// What the message of a claimed row is built from.
-fn draft(mail: &QueuedMail) -> mail::Draft<'_> {
+fn draft<'a>(
+    mail: &'a QueuedMail,
+    content: &'a MailContent,
+    attachments: &'a [mail::Attachment<'a>],
+) -> mail::Draft<'a> {
     mail::Draft {
-        from_name: mail.from_name.as_deref(),
-        from_address: mail.from_address.as_deref(),
-        to_address: &mail.to_address,
-        cc: mail.cc.as_deref(),
-        bcc: mail.bcc.as_deref(),
-        reply_to: mail.reply_to.as_deref(),
-        subject: &mail.subject,
-        body: mail.body.as_deref(),
-        body_html: mail.body_html.as_deref(),
-        headers: mail.headers.as_deref(),
+        from_name: content.from_name.as_deref(),
+        from_address: content.from_address.as_deref(),
+        to_address: &content.to_address,
+        cc: content.cc.as_deref(),
+        bcc: content.bcc.as_deref(),
+        reply_to: content.reply_to.as_deref(),
+        subject: &content.subject,
+        body: content.body.as_deref(),
+        body_html: content.body_html.as_deref(),
+        headers: content.headers.as_deref(),
         message_id: Some(&mail.message_id),
+        attachments,
     }
+}
+
+/// Builds the message of a row whose columns are at hand.
+fn build(
+    mail: &QueuedMail,
+    content: &MailContent,
+    attachments: &[Attachment],
+    defaults: &MessageDefaults,
+) -> Result<PreparedMail, MailError> {
+    let parts: Vec<mail::Attachment<'_>> = attachments
+        .iter()
+        .map(|a| mail::Attachment {
+            filename: &a.filename,
+            content_type: &a.content_type,
+            content: &a.content,
+            content_id: a.content_id.as_deref(),
+        })
+        .collect();
+    mail::prepare(&draft(mail, content, &parts), defaults)
+}
+
+/// The least a mail can take once encoded: its bodies as they are and its
+/// attachments in base64 (4 octets for 3, and a line break every 76). A
+/// mail over the limit by this count fails before any of it is loaded.
+fn least_encoded_size(sizes: &MailSizes) -> u64 {
+    let base64 = sizes.attachment_bytes.div_ceil(3) * 4;
+    sizes.bodies + base64 + base64 / 76 * 2
 }
 
 /// One mail's fate, on its way to the group commit.
@@ -81,8 +129,10 @@ pub(super) struct Done {
     pub(super) attempt: i32,
     pub(super) decision: Decision,
     pub(super) smtp_code: Option<u16>,
-    /// The relay's reply to ".", for the log line.
+    /// The relay's reply to "." when it took the mail.
     pub(super) reply: Option<String>,
+    /// The history row written with the outcome, if any.
+    pub(super) event: Option<Event>,
     /// How long the SMTP transaction took, if there was one.
     pub(super) send_time: Option<Duration>,
     /// Recipient domains, for the log line (never the full address).
@@ -197,28 +247,66 @@ impl Worker {
         }
     }
 
-    /// Builds a row's message, or finds it cannot be sent. A DKIM signature
-    /// (an RSA signature is about a millisecond of CPU) and a large body are
-    /// built on the blocking pool, so that they never hold up the lanes'
-    /// network work on the async threads; a small unsigned mail takes
-    /// microseconds and is built in place.
-    async fn ready(&self, mail: QueuedMail) -> Ready {
+    /// Builds a row's message, or finds it cannot be sent. A mail too large
+    /// by its stored size fails before any of it is read. The columns of a
+    /// large row and every attachment are loaded now, one mail at a time per
+    /// lane, within the daemon's memory budget; the claim brought only the
+    /// small rows' columns. A DKIM signature (an RSA signature is about a
+    /// millisecond of CPU) and a large mail are built on the blocking pool,
+    /// so that they never hold up the lanes' network work on the async
+    /// threads; a small unsigned mail takes microseconds and is built in
+    /// place.
+    async fn ready(&self, mut mail: QueuedMail) -> Ready {
         if mail.expired {
+            return Ready::held(mail, Attempt::Expired);
+        }
+        let least = least_encoded_size(&mail.sizes);
+        if least > self.defaults.max_message_size {
+            let too_large = MailError::TooLarge {
+                size: least as usize,
+                max: self.defaults.max_message_size,
+            };
+            return Ready::held(mail, Attempt::Invalid(too_large));
+        }
+        let memory = match mail.content.is_none() || mail.sizes.attachments > 0 {
+            true => Some(self.memory.take(&mail.sizes).await),
+            false => None,
+        };
+        let content = match mail.content.take() {
+            Some(content) => content,
+            None => match self.store.load_content(mail.id, mail.lock).await {
+                Ok(Some(content)) => content,
+                Ok(None) => return Ready::held(mail, Attempt::Held(Hold::LockLost)),
+                Err(e) => {
+                    tracing::warn!(mail_id = mail.id, error = %e, "could not load the mail");
+                    return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
+                }
+            },
+        };
+        let attachments = match mail.sizes.attachments {
+            0 => Vec::new(),
+            _ => match self.store.load_attachments(mail.id).await {
+                Ok(attachments) => attachments,
+                Err(e) => {
+                    tracing::warn!(mail_id = mail.id, error = %e, "could not load the attachments");
+                    return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
+                }
+            },
+        };
+        let large = mail.sizes.content + mail.sizes.attachment_bytes >= BUILD_IN_PLACE_LIMIT;
+        if self.defaults.dkim.is_none() && !large {
+            let prepared =
+                build(&mail, &content, &attachments, &self.defaults).map_err(Attempt::Invalid);
             return Ready {
                 mail,
-                prepared: Err(Attempt::Expired),
+                prepared,
+                _memory: memory,
             };
-        }
-        let size = mail.body.as_ref().map_or(0, String::len)
-            + mail.body_html.as_ref().map_or(0, String::len);
-        if self.defaults.dkim.is_none() && size < BUILD_IN_PLACE_LIMIT {
-            let prepared = mail::prepare(&draft(&mail), &self.defaults).map_err(Attempt::Invalid);
-            return Ready { mail, prepared };
         }
         let defaults = self.defaults.clone();
         let built = tokio::task::spawn_blocking(move || {
             let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                mail::prepare(&draft(&mail), &defaults)
+                build(&mail, &content, &attachments, &defaults)
             }))
             .unwrap_or_else(|panic| Err(MailError::Build(panic_text(&panic))));
             (mail, prepared)
@@ -230,6 +318,7 @@ impl Worker {
         Ready {
             mail,
             prepared: prepared.map_err(Attempt::Invalid),
+            _memory: memory,
         }
     }
 
@@ -285,6 +374,21 @@ impl Worker {
             relay_down_count: mail.relay_down_count,
         };
         let decision = outcome::decide(&attempt, row, view, &self.policy, retry::jitter());
+        let event = outcome::history(&attempt, &decision.action).map(|(outcome, stage)| Event {
+            attempt: mail.attempts,
+            outcome,
+            stage,
+            smtp_code: match &attempt {
+                Attempt::Failed(e) => e.code(),
+                _ => None,
+            },
+            detail: match (&attempt, &decision.action) {
+                // A refunded try leaves last_error alone; its history row
+                // says what the relay answered.
+                (Attempt::Failed(e), FinalAction::Release) => Some(e.to_string()),
+                _ => None,
+            },
+        });
         let (mut smtp_code, mut reply, mut relay) = (None, None, None);
         match &attempt {
             Attempt::Delivered(d) => {
@@ -328,6 +432,7 @@ impl Worker {
             decision,
             smtp_code,
             reply,
+            event,
             send_time,
             domains: domains.join(","),
             relay,
@@ -400,6 +505,11 @@ impl Worker {
                 id: d.id,
                 lock: d.lock,
                 action: d.decision.action.clone(),
+                relay_reply: match d.decision.action {
+                    FinalAction::Sent => d.reply.clone(),
+                    _ => None,
+                },
+                event: d.event.clone(),
             })
             .collect();
         let written = self.store.finalize(&writes).await?;
@@ -448,9 +558,9 @@ impl Worker {
         queue.close();
         let stopping = stop.taking.is_cancelled();
         if stopping {
-            // Rows never started go back at once.
+            // Rows never started go back at once, unread.
             for mail in queue.drain() {
-                let ready = self.ready(mail).await;
+                let ready = Ready::held(mail, Attempt::Held(Hold::ShuttingDown));
                 let _ =
                     results.send(self.judge(&ready, Attempt::Held(Hold::ShuttingDown), None, 0));
             }
@@ -500,6 +610,8 @@ impl Worker {
                 id: *id,
                 lock: *lock,
                 action: FinalAction::Release,
+                relay_reply: None,
+                event: None,
             })
             .collect();
         for attempt in 1..=3u32 {

@@ -369,39 +369,23 @@ fn throttled_domains_defer_without_spending() {
 }
 
 #[test]
-fn failures_are_counted_by_stage_and_code_or_kind() {
+fn failures_are_labelled_by_stage_and_code_or_kind() {
     let cases = [
-        ("RCPT TO: 550 5.1.1 <***@x.org>: unknown", "RCPT TO 550"),
-        ("end of data: 554 5.7.1 spam", "end of data 554"),
-        ("MAIL FROM: 451 4.3.0 try later", "MAIL FROM 451"),
-        (
-            "RCPT TO: 421 4.7.0 later (deferred: 1 of 3 while other mails went through)",
-            "RCPT TO 421",
-        ),
-        ("expired", "expired"),
-        (
-            "no reply after end of data: timed out after 10m",
-            "no reply after \".\"",
-        ),
-        (
-            "lock expired: the worker stopped during the last attempt",
-            "worker lost",
-        ),
-        (
-            "DATA: connection lost before end of data: reset",
-            "connection lost",
-        ),
-        (
-            "deferred: example.org asked to slow down",
-            "domain throttled",
-        ),
-        ("invalid address in to_address: …", "invalid mail"),
-        ("CR or LF in subject", "invalid mail"),
+        (Some("rcpt"), Some(550), "RCPT TO 550"),
+        (Some("dot"), Some(554), "end of data 554"),
+        (Some("dot"), None, "no reply after \".\""),
+        (Some("body"), None, "connection lost before \".\""),
+        (Some("queue"), None, "expired"),
+        (Some("lock"), None, "worker lost"),
+        (Some("throttle"), None, "domain throttled"),
+        (Some("message"), None, "invalid mail"),
+        (Some("config"), None, "no sender configured"),
+        (Some("connect"), None, "connect (no reply)"),
     ];
-    for (error, kind) in cases {
-        assert_eq!(failure_kind(error), kind, "{error}");
+    for (stage, code, label) in cases {
+        assert_eq!(failure_label(stage, code), label, "{stage:?} {code:?}");
     }
-    // What the SMTP client writes is what status reads.
+    // The key a failed send stores is the one the label reads.
     let e = SendError::replied(
         Stage::RcptTo,
         Reply {
@@ -409,5 +393,87 @@ fn failures_are_counted_by_stage_and_code_or_kind() {
             text: "unknown".into(),
         },
     );
-    assert_eq!(failure_kind(&e.to_string()), "RCPT TO 550");
+    let attempt = Attempt::Failed(e);
+    assert_eq!(failure_label(stage_key(&attempt), Some(550)), "RCPT TO 550");
+}
+
+#[test]
+fn every_attempt_but_a_sent_or_untried_one_leaves_history() {
+    let failed = |stage, code: Option<u16>| {
+        Attempt::Failed(match code {
+            Some(code) => SendError::replied(
+                stage,
+                Reply {
+                    code,
+                    text: "x".into(),
+                },
+            ),
+            None => SendError::broke(stage, "reset"),
+        })
+    };
+    let retry = FinalAction::Retry {
+        delay: Duration::from_secs(60),
+        error: "x".into(),
+        relay_down: false,
+    };
+    type Row = Option<(EventOutcome, Option<&'static str>)>;
+    let cases: Vec<(Attempt, FinalAction, Row)> = vec![
+        (
+            failed(Stage::RcptTo, Some(451)),
+            retry.clone(),
+            Some((EventOutcome::Retry, Some("rcpt"))),
+        ),
+        (
+            failed(Stage::Connect, None),
+            FinalAction::Release,
+            Some((EventOutcome::Released, Some("connect"))),
+        ),
+        (
+            Attempt::Held(Hold::ShuttingDown),
+            FinalAction::Release,
+            None,
+        ),
+        (Attempt::Held(Hold::RelayPaused), FinalAction::Release, None),
+        (
+            Attempt::Held(Hold::DomainThrottled {
+                domain: "example.org".into(),
+                wait: Duration::from_secs(1),
+            }),
+            FinalAction::Defer {
+                delay: Duration::from_secs(1),
+                error: "x".into(),
+                counted: false,
+            },
+            Some((EventOutcome::Deferred, Some("throttle"))),
+        ),
+        (
+            Attempt::Expired,
+            FinalAction::Failed {
+                error: "expired".into(),
+                relay_down: false,
+            },
+            Some((EventOutcome::Failed, Some("queue"))),
+        ),
+        (
+            Attempt::CutOff {
+                stage: Stage::AfterDot,
+                by: CutOff::Shutdown,
+            },
+            FinalAction::Unknown { error: "x".into() },
+            Some((EventOutcome::Unknown, Some("dot"))),
+        ),
+    ];
+    for (attempt, action, expected) in cases {
+        assert_eq!(
+            history(&attempt, &action),
+            expected,
+            "{attempt:?} {action:?}"
+        );
+    }
+    let delivered = Attempt::Delivered(crate::smtp::Delivered {
+        code: 250,
+        reply: "250 ok".into(),
+        relay: crate::smtp::Role::Primary,
+    });
+    assert_eq!(history(&delivered, &FinalAction::Sent), None);
 }
