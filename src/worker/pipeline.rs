@@ -505,8 +505,8 @@ impl Worker {
                 id: d.id,
                 lock: d.lock,
                 action: d.decision.action.clone(),
-                relay_reply: match d.decision.action {
-                    FinalAction::Sent => d.reply.clone(),
+                relay_reply: match (&d.decision.action, d.smtp_code, &d.reply) {
+                    (FinalAction::Sent, Some(code), Some(reply)) => Some(format!("{code} {reply}")),
                     _ => None,
                 },
                 event: d.event.clone(),

@@ -241,6 +241,14 @@ impl TestDb {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
+    /// Runs several statements as one script, as an application's client
+    /// would send them (not prepared).
+    pub async fn exec_script(&self, sql: &str) {
+        let q = sqlx::AssertSqlSafe(sql.to_string());
+        on_pool!(self, p => sqlx::raw_sql(q).execute(p).await.map(|_| ()))
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
     pub async fn scalar_i64(&self, sql: &str) -> i64 {
         let q = sqlx::AssertSqlSafe(sql.to_string());
         on_pool!(self, p => sqlx::query_scalar::<_, i64>(q).fetch_one(p).await)

@@ -13,6 +13,7 @@ serves every case of a test:
   throttle-*  RCPT is answered 451 4.7.1 (the relay's rate limit)
   data451-*   end of data answered 451    data554-*   end of data answered 554
   flaky-*     end of data answered 451 the first time a Message-ID is seen
+  twice451-*  end of data answered 451 the first two times a Message-ID is seen
   dropdot-*   the connection is closed after end of data, with no reply
               (the mail is recorded as received: the relay "has" it)
   slow-*      the reply to end of data waits --slow seconds
@@ -40,7 +41,8 @@ from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
 def rule_of(rcpts):
     for r in rcpts:
         local = r.split("@", 1)[0].lower()
-        for prefix in ("rcpt451", "rcpt550", "data451", "data554", "flaky", "dropdot", "slow"):
+        for prefix in ("rcpt451", "rcpt550", "data451", "data554", "flaky", "twice451", "dropdot",
+                       "slow"):
             if local.startswith(prefix):
                 return prefix
     return None
@@ -52,6 +54,7 @@ class Recorder:
         self.slow = slow
         self.throttle_file = throttle_file
         self.seen_ids = set()
+        self.seen_count = {}
 
     def append(self, path, envelope):
         record = {
@@ -89,6 +92,11 @@ class Recorder:
             mid = message_id(envelope.original_content)
             if mid not in self.seen_ids:
                 self.seen_ids.add(mid)
+                return "451 4.3.0 Greylisted, come back later"
+        if rule == "twice451":
+            mid = message_id(envelope.original_content)
+            self.seen_count[mid] = self.seen_count.get(mid, 0) + 1
+            if self.seen_count[mid] <= 2:
                 return "451 4.3.0 Greylisted, come back later"
         if rule == "slow":
             await asyncio.sleep(self.slow)
