@@ -187,11 +187,39 @@ async fn one_refused_recipient_never_slows_the_others(db: TestDb) {
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_database_connection_killed_between_send_and_commit_sends_nothing_twice() {
-    let Some(db) = TestDb::postgres().await else {
-        return;
-    };
+/// Kills every connection the daemon has to its database (on the server's
+/// side, as a failover or an operator would), returning how many.
+async fn kill_daemon_connections(db: &TestDb) -> i64 {
+    match db.backend {
+        tablemail::store::Backend::Postgres => {
+            db.scalar_i64(&format!(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE datname = '{}' AND application_name = 'tablemail'",
+                db.name()
+            ))
+            .await
+        }
+        tablemail::store::Backend::Mysql => {
+            // The test's own pool is on the same database: kill only the
+            // connections that are not the test's (the daemon runs its own
+            // READ COMMITTED sessions; the test's pool never claims).
+            let ids = db
+                .strings(&format!(
+                    "SELECT CAST(ID AS CHAR) FROM information_schema.PROCESSLIST \
+                     WHERE DB = '{}' AND ID <> CONNECTION_ID()",
+                    db.name()
+                ))
+                .await;
+            for id in &ids {
+                let _ = db.try_exec(&format!("KILL {id}")).await;
+            }
+            ids.len() as i64
+        }
+        tablemail::store::Backend::Sqlite => unreachable!("a file has no connections to kill"),
+    }
+}
+
+async fn a_database_connection_killed_between_send_and_commit(db: TestDb) {
     let smtp = SmtpServer::start(&["--slow", "3"]);
     let mails: Vec<NewMail> = (0..5)
         .map(|i| mail(&format!("slow-{i}@example.com"), "x"))
@@ -205,13 +233,7 @@ async fn a_database_connection_killed_between_send_and_commit_sends_nothing_twic
     )
     .await;
     // While the relay thinks: every connection of the daemon is killed.
-    let killed = db
-        .scalar_i64(&format!(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-             WHERE datname = '{}' AND application_name = 'tablemail'",
-            db.name()
-        ))
-        .await;
+    let killed = kill_daemon_connections(&db).await;
     assert!(killed > 0, "the daemon had connections");
     eventually("five sent", Duration::from_secs(30), || async {
         db.count("status = 'sent' AND attempts = 1").await == 5
@@ -221,6 +243,20 @@ async fn a_database_connection_killed_between_send_and_commit_sends_nothing_twic
     assert_eq!(smtp.received().len(), 5);
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_connection_killed_between_send_and_commit_sends_nothing_twice() {
+    if let Some(db) = TestDb::postgres().await {
+        a_database_connection_killed_between_send_and_commit(db).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_connection_killed_between_send_and_commit_sends_nothing_twice() {
+    if let Some(db) = TestDb::mysql().await {
+        a_database_connection_killed_between_send_and_commit(db).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,6 +339,51 @@ async fn silent_connections_to_the_database_and_the_relay_lose_nothing() {
 }
 
 /// The port of a database URL.
+/// SIGTERM while the relay thinks about a mail, and the database goes away
+/// until after the shutdown deadline: the mail the relay took is written as
+/// sent once the database is back, never released to be sent again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sent_mail_stays_sent_when_the_database_is_away_at_shutdown() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&["--slow", "2"]);
+    let pg_port = url_port(&db.url);
+    let db_proxy = Proxy::start(pg_port).await;
+    let proxied = db
+        .url
+        .replacen(&format!(":{pg_port}/"), &format!(":{}/", db_proxy.port), 1);
+    let id = db.enqueue(mail("slow-1@example.com", "late reply")).await;
+    let mut env = daemon_env(&db, &smtp.url(), &[]);
+    env.retain(|(k, _)| k != "TABLEMAIL__DATABASE__URL");
+    env.extend([
+        ("TABLEMAIL__DATABASE__URL".to_string(), proxied),
+        ("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT".into(), "1s".into()),
+        ("TABLEMAIL__WORKER__SHUTDOWN_TIMEOUT".into(), "5s".into()),
+    ]);
+    let mut daemon = Daemon::start(env);
+    eventually("the dot sent", Duration::from_secs(15), || async {
+        smtp.attempts().len() == 1
+    })
+    .await;
+    db_proxy.set_down(true);
+    daemon.signal("TERM");
+    // The finalizer gives up at the deadline; the last writes are tried again.
+    daemon
+        .wait_for_log("could not write the last outcomes", Duration::from_secs(40))
+        .await;
+    db_proxy.set_down(false);
+    assert_eq!(daemon.wait_exit(Duration::from_secs(30)).await, 0);
+    let row = db.row(id).await;
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.locked),
+        ("sent", 1, false),
+        "{}",
+        daemon.output()
+    );
+    assert_eq!(smtp.received().len(), 1);
+}
+
 fn url_port(url: &str) -> u16 {
     let authority = url.split("://").nth(1).unwrap().split('/').next().unwrap();
     authority.rsplit(':').next().unwrap().parse().unwrap()

@@ -17,7 +17,9 @@ use tablemail::store::{
 pub fn readme_sql(marker: &str) -> String {
     let readme = include_str!("../README.md");
     let tag = format!("<!-- {marker} -->");
-    let start = readme.find(&tag).unwrap_or_else(|| panic!("{tag} in the README"));
+    let start = readme
+        .find(&tag)
+        .unwrap_or_else(|| panic!("{tag} in the README"));
     let block = &readme[start..];
     let open = block.find("```sql\n").expect("a SQL block") + "```sql\n".len();
     let close = block[open..].find("```").expect("its end") + open;
@@ -37,7 +39,11 @@ fn grants(sender: &str, app: &str) -> Vec<String> {
         .collect::<Vec<_>>()
         .join("\n")
         .split(';')
-        .map(|s| s.trim().replace("tablemail_sender", sender).replace("app_mailer", app))
+        .map(|s| {
+            s.trim()
+                .replace("tablemail_sender", sender)
+                .replace("app_mailer", app)
+        })
         .map(|s| s.replace("PASSWORD '…'", ""))
         .filter(|s| !s.is_empty())
         .collect()
@@ -75,7 +81,9 @@ async fn the_readme_roles_are_enough_for_the_application_and_the_daemon() {
     app_pool.close().await;
 
     // The daemon's role: everything the daemon and the operator commands do.
-    let store = tablemail::store::connect(&connect_as(&sender), 2).await.unwrap();
+    let store = tablemail::store::connect(&connect_as(&sender), 2)
+        .await
+        .unwrap();
     let batch = store
         .claim_batch(&Claim {
             lock: BatchLock::generate(),
@@ -123,18 +131,37 @@ async fn the_readme_roles_are_enough_for_the_application_and_the_daemon() {
         })
         .await
         .unwrap();
-    store.release_stale_locks(Duration::from_secs(300), &[]).await.unwrap();
+    store
+        .release_stale_locks(Duration::from_secs(300), &[])
+        .await
+        .unwrap();
     assert_eq!(store.retry(RetrySelection::Id(m.id), 5).await.unwrap(), 1);
     assert_eq!(store.cancel(m.id).await.unwrap(), 1);
-    let record = store.find_mail(&MailLookup::Id(m.id), true).await.unwrap().unwrap();
+    let record = store
+        .find_mail(&MailLookup::Id(m.id), true)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(record.events.len(), 3);
     store.stats(Duration::from_secs(300)).await.unwrap();
-    store.failure_groups(Duration::from_secs(3600)).await.unwrap();
+    store
+        .failure_groups(Duration::from_secs(3600))
+        .await
+        .unwrap();
     store.daemons().await.unwrap();
     // Retention deletes the mail with its attachments and history.
-    assert_eq!(store.purge(Duration::ZERO, Duration::ZERO, 100).await.unwrap(), 1);
+    assert_eq!(
+        store
+            .purge(Duration::ZERO, Duration::ZERO, 100)
+            .await
+            .unwrap(),
+        1
+    );
     drop(store);
-    assert_eq!(db.scalar_i64("SELECT count(*) FROM mail_attachment").await, 0);
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM mail_attachment").await,
+        0
+    );
     assert_eq!(db.scalar_i64("SELECT count(*) FROM mail_event").await, 0);
 
     for role in [&sender, &app] {
@@ -168,6 +195,9 @@ async fn the_readme_attachment_inserts_work_on_mysql_and_sqlite() {
         let parts = db.store.load_attachments(batch[0].id).await.unwrap();
         assert_eq!(parts.len(), 1, "{marker}");
         assert_eq!(parts[0].content_type, "application/pdf");
-        assert_eq!(parts[0].content, b"%PDF-1.4\n%\xc3\xa4\xc3\xbc\xc3\xb6\xc3\x9f\n");
+        assert_eq!(
+            parts[0].content,
+            b"%PDF-1.4\n%\xc3\xa4\xc3\xbc\xc3\xb6\xc3\x9f\n"
+        );
     }
 }

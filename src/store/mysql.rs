@@ -39,13 +39,28 @@ impl MySqlStore {
             .timezone(Some("+00:00".to_string()))
             .log_statements(tracing::log::LevelFilter::Trace)
             .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
+        // sqlx sets no TCP keepalive on its socket, and MySQL has no
+        // server-side keepalive setting per session: a daemon that vanished in
+        // the middle of a claim transaction (a lost NAT entry, a failed-over
+        // address) would leave its row locks held for `wait_timeout`, eight
+        // hours by default. The session's `wait_timeout` bounds that; idle
+        // connections leave the pool before the server closes them.
+        let wait = options
+            .statement_timeout
+            .as_secs()
+            .saturating_mul(4)
+            .max(120);
+        let session = format!("SET SESSION wait_timeout = {wait}");
         let pool = MySqlPoolOptions::new()
             .max_connections(options.max_connections)
             .acquire_timeout(options.statement_timeout)
-            .after_connect(|conn, _| {
+            .idle_timeout(Duration::from_secs(wait / 2))
+            .after_connect(move |conn, _| {
+                let session = session.clone();
                 Box::pin(async move {
                     conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                         .await?;
+                    conn.execute(AssertSqlSafe(session)).await?;
                     Ok(())
                 })
             })

@@ -141,6 +141,22 @@ pub(super) struct Done {
     pub(super) relay: Option<&'static str>,
 }
 
+impl Done {
+    /// The write that records this outcome.
+    fn finalize(&self) -> Finalize {
+        Finalize {
+            id: self.id,
+            lock: self.lock,
+            action: self.decision.action.clone(),
+            relay_reply: match (&self.decision.action, self.smtp_code, &self.reply) {
+                (FinalAction::Sent, Some(code), Some(reply)) => Some(format!("{code} {reply}")),
+                _ => None,
+            },
+            event: self.event.clone(),
+        }
+    }
+}
+
 /// The signals that stop a pipeline.
 #[derive(Clone, Default)]
 pub(super) struct Stop {
@@ -441,12 +457,13 @@ impl Worker {
 
     /// Group commit: writes every outcome that is ready in one statement.
     /// A database error is retried (the commit, never the send) until it
-    /// succeeds or `give_up` fires. Returns what was written.
+    /// succeeds or `give_up` fires. Returns what was written, and the
+    /// outcomes it gave up on.
     pub(super) async fn finalize_loop(
         self: Arc<Self>,
         mut input: mpsc::UnboundedReceiver<Done>,
         give_up: CancellationToken,
-    ) -> BatchReport {
+    ) -> (BatchReport, Vec<Done>) {
         // Under load, wait a moment for a fuller group: each statement and
         // commit costs the database far more than one more row in it.
         let fill = self.settings.batch_size;
@@ -480,7 +497,15 @@ impl Worker {
                         tracing::error!(error = %e, rows = group.len(), retry_in_ms = pause.as_millis() as u64,
                             "database unavailable: outcome not written yet");
                         tokio::select! {
-                            _ = give_up.cancelled() => return report,
+                            _ = give_up.cancelled() => {
+                                // What is still waiting in the channel was
+                                // decided too: keep every decision.
+                                input.close();
+                                while let Ok(done) = input.try_recv() {
+                                    group.push(done);
+                                }
+                                return (report, group);
+                            }
                             _ = tokio::time::sleep(pause) => {}
                         }
                     }
@@ -490,7 +515,7 @@ impl Worker {
             // Room for the claimer.
             self.freed.notify_one();
         }
-        report
+        (report, Vec::new())
     }
 
     /// Writes outcomes in one fenced statement and logs each. Returns, per
@@ -499,19 +524,7 @@ impl Worker {
         if group.is_empty() {
             return Ok(Vec::new());
         }
-        let writes: Vec<Finalize> = group
-            .iter()
-            .map(|d| Finalize {
-                id: d.id,
-                lock: d.lock,
-                action: d.decision.action.clone(),
-                relay_reply: match (&d.decision.action, d.smtp_code, &d.reply) {
-                    (FinalAction::Sent, Some(code), Some(reply)) => Some(format!("{code} {reply}")),
-                    _ => None,
-                },
-                event: d.event.clone(),
-            })
-            .collect();
+        let writes: Vec<Finalize> = group.iter().map(Done::finalize).collect();
         let written = self.store.finalize(&writes).await?;
         self.database_answered();
         self.held.remove(group.iter().map(|d| d.id));
@@ -579,10 +592,10 @@ impl Worker {
         drop(results);
         // When stopping, the finalizer gets a bounded time to retry a failing
         // database; otherwise it keeps at it until the database answers.
-        let report = if stopping {
+        let (report, unwritten) = if stopping {
             let limit = deadline.max(Instant::now()) + Duration::from_secs(10);
             match tokio::time::timeout_at(limit, &mut finalizer).await {
-                Ok(report) => report,
+                Ok(done) => done,
                 Err(_) => {
                     give_up.cancel();
                     finalizer.await
@@ -593,47 +606,57 @@ impl Worker {
         }
         .expect("the finalizer does not panic");
         if !self.held.is_empty() {
-            self.release_remaining().await;
+            self.release_remaining(unwritten).await;
         }
         renewal.cancel();
         let _ = renewing.await;
         report
     }
 
-    /// After the drain: rows still held (their outcome could not be written)
-    /// go back to `queued` with their attempt refunded.
-    async fn release_remaining(&self) {
-        let rows = self.held.all();
-        let writes: Vec<Finalize> = rows
-            .iter()
-            .map(|(id, lock)| Finalize {
-                id: *id,
-                lock: *lock,
-                action: FinalAction::Release,
-                relay_reply: None,
-                event: None,
-            })
-            .collect();
-        for attempt in 1..=3u32 {
+    /// After the drain: the outcomes the finalizer could not write are tried
+    /// once more as they were decided (a mail the relay took stays sent, an
+    /// ambiguous one stays ambiguous: releasing those would send them again);
+    /// rows held without a decision go back to `queued` unspent. What cannot
+    /// be written now waits for the stale-lock sweep of any daemon.
+    async fn release_remaining(&self, decided: Vec<Done>) {
+        let decided_ids: std::collections::HashSet<i64> = decided.iter().map(|d| d.id).collect();
+        let mut writes: Vec<Finalize> = decided.iter().map(Done::finalize).collect();
+        writes.extend(
+            self.held
+                .all()
+                .into_iter()
+                .filter(|(id, _)| !decided_ids.contains(id))
+                .map(|(id, lock)| Finalize {
+                    id,
+                    lock,
+                    action: FinalAction::Release,
+                    relay_reply: None,
+                    event: None,
+                }),
+        );
+        for attempt in 1..=5u32 {
             match self.store.finalize(&writes).await {
                 Ok(done) => {
                     tracing::info!(
                         count = done.len(),
-                        outcome = "released",
-                        "unsent mails released"
+                        decided = decided.len(),
+                        "outcomes written at shutdown, unsent mails released"
                     );
-                    self.held.remove(rows.iter().map(|(id, _)| *id));
+                    for d in &decided {
+                        log_outcome(d, done.contains(&d.id));
+                    }
+                    self.held.remove(writes.iter().map(|w| w.id));
                     return;
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, attempt, "could not release unsent mails");
+                    tracing::error!(error = %e, attempt, "could not write the last outcomes");
                     tokio::time::sleep(Duration::from_millis(500 * attempt as u64)).await;
                 }
             }
         }
         tracing::error!(
-            count = rows.len(),
-            "database unavailable at shutdown: mails stay locked; any daemon releases them after worker.lock_timeout"
+            count = writes.len(),
+            "database unavailable at shutdown: mails stay locked; any daemon releases them after worker.lock_timeout (a mail already sent goes out again, with the same Message-ID)"
         );
     }
 }

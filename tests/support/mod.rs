@@ -241,6 +241,12 @@ impl TestDb {
             .unwrap_or_else(|e| panic!("{sql}: {e}"))
     }
 
+    /// Runs SQL that may fail (a KILL of a connection that just ended).
+    pub async fn try_exec(&self, sql: &str) -> Result<u64, sqlx::Error> {
+        let q = sqlx::AssertSqlSafe(sql.to_string());
+        on_pool!(self, p => sqlx::query(q).execute(p).await.map(|d| d.rows_affected()))
+    }
+
     /// Runs several statements as one script, as an application's client
     /// would send them (not prepared).
     pub async fn exec_script(&self, sql: &str) {

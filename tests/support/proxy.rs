@@ -2,7 +2,8 @@
 //! cannot produce: `blackhole()` makes every connection open at that moment
 //! go silent in both directions (no reset, no close: packets seem to vanish,
 //! as with a lost NAT entry or a failed-over address), while new connections
-//! work as before.
+//! work as before; `set_down(true)` also closes every new connection at once
+//! (the server is unreachable) until `set_down(false)`.
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
@@ -20,6 +21,8 @@ pub struct Proxy {
     /// Connections accepted before this number are silenced.
     silenced_before: Arc<AtomicU64>,
     accepted: Arc<AtomicU64>,
+    /// New connections are closed at once.
+    down: Arc<std::sync::atomic::AtomicBool>,
     /// Silent connections are kept open here until the proxy goes away.
     graveyard: Arc<Mutex<Vec<TcpStream>>>,
     task: JoinHandle<()>,
@@ -33,13 +36,22 @@ impl Proxy {
         let silenced_before = Arc::new(AtomicU64::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
         let graveyard = Arc::new(Mutex::new(Vec::new()));
-        let (silenced, count, graves) =
-            (silenced_before.clone(), accepted.clone(), graveyard.clone());
+        let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (silenced, count, graves, is_down) = (
+            silenced_before.clone(),
+            accepted.clone(),
+            graveyard.clone(),
+            down.clone(),
+        );
         let task = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     return;
                 };
+                if is_down.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
                 let number = count.fetch_add(1, Ordering::SeqCst);
                 let (silenced, graves) = (silenced.clone(), graves.clone());
                 tokio::spawn(async move {
@@ -54,9 +66,19 @@ impl Proxy {
             port,
             silenced_before,
             accepted,
+            down,
             graveyard,
             task,
         }
+    }
+
+    /// Down: every open connection goes silent and new ones are closed at
+    /// once. Up again: new connections work.
+    pub fn set_down(&self, down: bool) {
+        if down {
+            self.blackhole();
+        }
+        self.down.store(down, Ordering::SeqCst);
     }
 
     /// Every connection open now goes silent.
