@@ -683,6 +683,11 @@ async fn attachments_are_loaded_in_order_and_go_with_their_mail(db: TestDb) {
     db.store.finalize(&writes).await.unwrap();
     let attachment_rows = "SELECT count(*) FROM mail_attachment";
     assert_eq!(db.scalar_i64(attachment_rows).await, 2);
+    db.exec(&format!(
+        "UPDATE mail_queue SET processed_at = {}",
+        db.minus(db.now(), 60)
+    ))
+    .await;
     db.store
         .purge(Duration::ZERO, Duration::ZERO, 100)
         .await

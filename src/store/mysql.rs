@@ -8,79 +8,82 @@
 
 use std::{str::FromStr, time::Duration};
 
-use async_trait::async_trait;
 use secrecy::ExposeSecret;
 use sqlx::{
-    mysql::{MySqlConnectOptions, MySqlPoolOptions},
+    mysql::{MySqlConnectOptions, MySqlConnection, MySqlPoolOptions},
     AssertSqlSafe, ConnectOptions as _, Connection, Executor, FromRow, Row,
 };
 
 use super::{
-    migrations::{self, MYSQL},
-    shared::{
-        self, finalize_json, insert_attachments, insert_columns, insert_query, queued_mail, Common,
-        Queries, Shared,
+    dialect::{Dialect, SqlStore},
+    migrations::MYSQL,
+    rows::{
+        self, finalize_json, held_json, insert_attachments, insert_columns, insert_query,
+        locks_json,
     },
-    Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail, Result,
-    StaleRow, Store,
+    shared::{self, portable, Queries, Shared},
+    Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail,
+    Result, StaleRow,
 };
 
-pub struct MySqlStore {
-    shared: Shared<sqlx::MySql>,
-}
+/// MySQL's and MariaDB's own ways.
+pub(crate) struct MySql;
 
-impl MySqlStore {
-    pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
-        let mut connect = MySqlConnectOptions::from_str(url)?;
-        if let Some(password) = &options.password {
-            connect = connect.password(password.expose_secret());
-        }
-        let connect = connect
-            .timezone(Some("+00:00".to_string()))
-            .log_statements(tracing::log::LevelFilter::Trace)
-            .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
-        // sqlx sets no TCP keepalive on its socket, and MySQL has no
-        // server-side keepalive setting per session: a daemon that vanished in
-        // the middle of a claim transaction (a lost NAT entry, a failed-over
-        // address) would leave its row locks held for `wait_timeout`, eight
-        // hours by default. The session's `wait_timeout` bounds that; idle
-        // connections leave the pool before the server closes them.
-        let wait = options
-            .statement_timeout
-            .as_secs()
-            .saturating_mul(4)
-            .max(120);
-        let session = format!("SET SESSION wait_timeout = {wait}");
-        let pool = MySqlPoolOptions::new()
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.statement_timeout)
-            .idle_timeout(Duration::from_secs(wait / 2))
-            .after_connect(move |conn, _| {
-                let session = session.clone();
-                Box::pin(async move {
-                    conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                        .await?;
-                    conn.execute(AssertSqlSafe(session)).await?;
-                    Ok(())
-                })
-            })
-            .connect_lazy_with(connect);
-        Ok(MySqlStore {
-            shared: Shared {
-                pool,
-                deadline: options.statement_timeout,
-                queries: &QUERIES,
-                unit: shared::micros,
-                migrator: migrations::migrator(MYSQL),
-                begin_write: "BEGIN",
-            },
-        })
+pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<MySql>> {
+    let mut connect = MySqlConnectOptions::from_str(url)?;
+    if let Some(password) = &options.password {
+        connect = connect.password(password.expose_secret());
     }
+    let connect = connect
+        .timezone(Some("+00:00".to_string()))
+        .log_statements(tracing::log::LevelFilter::Trace)
+        .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
+    // sqlx sets no TCP keepalive on its socket, and MySQL has no
+    // server-side keepalive setting per session: a daemon that vanished in
+    // the middle of a claim transaction (a lost NAT entry, a failed-over
+    // address) would leave its row locks held for `wait_timeout`, eight
+    // hours by default. The session's `wait_timeout` bounds that; idle
+    // connections leave the pool before the server closes them.
+    let wait = options
+        .statement_timeout
+        .as_secs()
+        .saturating_mul(4)
+        .max(120);
+    let session = format!("SET SESSION wait_timeout = {wait}");
+    let pool = MySqlPoolOptions::new()
+        .max_connections(options.max_connections)
+        .acquire_timeout(options.statement_timeout)
+        .idle_timeout(Duration::from_secs(wait / 2))
+        .after_connect(move |conn, _| {
+            let session = session.clone();
+            Box::pin(async move {
+                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                    .await?;
+                conn.execute(AssertSqlSafe(session)).await?;
+                Ok(())
+            })
+        })
+        .connect_lazy_with(connect);
+    Ok(SqlStore {
+        shared: Shared::new::<MySql>(pool, options.statement_timeout, MYSQL, "BEGIN"),
+        dialect: MySql,
+    })
 }
 
 /// `(?, ?, …)` for an IN list of `n` values.
 fn in_list(n: usize) -> String {
     format!("({})", vec!["?"; n].join(", "))
+}
+
+/// Binds the ids of an IN list.
+fn bind_ids<'q>(
+    mut query: sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>,
+    ids: &[i64],
+) -> sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments> {
+    for id in ids {
+        query = query.bind(*id);
+    }
+    query
 }
 
 // FORCE INDEX: the claim walks the pending index in claim order and stops after
@@ -260,9 +263,7 @@ FROM mail_queue WHERE id IN "#;
 
 static QUERIES: Queries = Queries {
     placeholder: |_| "?".to_string(),
-    status_counts: r#"
-SELECT status, COUNT(*) AS count FROM mail_queue GROUP BY status ORDER BY status
-"#,
+    status_counts: portable::STATUS_COUNTS,
     status_ages: r#"
 SELECT
     (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(send_at), UTC_TIMESTAMP(6)) / 1e6 FROM mail_queue
@@ -280,12 +281,7 @@ SELECT
 FROM tablemail_minute
 WHERE minute >= DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL 15 MINUTE
 "#,
-    recent_failures: r#"
-SELECT id, status, processed_at, last_error FROM mail_queue
-WHERE status IN ('failed', 'unknown')
-ORDER BY processed_at IS NULL, processed_at DESC, id DESC
-LIMIT 10
-"#,
+    recent_failures: portable::RECENT_FAILURES,
     failure_groups: r#"
 SELECT outcome, stage, smtp_code, COUNT(*) AS count, MAX(detail) AS example
 FROM mail_event
@@ -302,6 +298,7 @@ FROM mail_queue WHERE id = ? AND thread_lock = ? AND status = 'sending'
 SELECT filename, content_type, content, content_id FROM mail_attachment
 WHERE mail_id = ? ORDER BY id
 "#,
+    existing_dedupe: "SELECT id FROM mail_queue WHERE dedupe_key = ?",
     insert_attachment: r#"
 INSERT INTO mail_attachment (mail_id, filename, content_type, content, content_id)
 VALUES (?, ?, ?, ?, ?)
@@ -383,8 +380,6 @@ GROUP BY minute ORDER BY minute
 "#,
 };
 
-const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = ?";
-
 /// Locks these rows (sorted ids) in id order through the primary key, and
 /// reads their id, status and lock.
 async fn lock_by_id(
@@ -392,218 +387,166 @@ async fn lock_by_id(
     ids: &[i64],
 ) -> Result<Vec<sqlx::mysql::MySqlRow>, sqlx::Error> {
     let sql = format!("{LOCK_BY_ID}{} ORDER BY id FOR UPDATE", in_list(ids.len()));
-    let mut query = sqlx::query(AssertSqlSafe(sql));
-    for id in ids {
-        query = query.bind(*id);
-    }
-    query.fetch_all(&mut **tx).await
+    bind_ids(sqlx::query(AssertSqlSafe(sql)), ids)
+        .fetch_all(&mut **tx)
+        .await
 }
 
-#[async_trait]
-impl Store for MySqlStore {
-    fn backend(&self) -> Backend {
-        Backend::Mysql
-    }
+impl Dialect for MySql {
+    type DB = sqlx::MySql;
+    const BACKEND: Backend = Backend::Mysql;
 
-    fn common(&self) -> &dyn Common {
-        &self.shared
-    }
+    const QUERIES: &'static Queries = &QUERIES;
+    const UNIT: fn(Duration) -> i64 = shared::micros;
 
-    async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
-        let b = claim.binds(shared::micros);
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let ids: Vec<i64> = sqlx::query_scalar(PICK_DUE)
-                        .bind(b.limit)
-                        .fetch_all(&mut *tx)
-                        .await?;
-                    if ids.is_empty() {
-                        tx.commit().await?;
-                        return Ok(Vec::new());
-                    }
-                    let list = in_list(ids.len());
-                    let mut stamp = sqlx::query(AssertSqlSafe(format!("{STAMP}{list}")))
-                        .bind(b.lock.to_string())
-                        .bind(b.nonce)
-                        .bind(b.domain);
-                    for id in &ids {
-                        stamp = stamp.bind(*id);
-                    }
-                    stamp.execute(&mut *tx).await?;
-                    let mut read = sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}")))
-                        .bind(b.inline_limit)
-                        .bind(b.max_age);
-                    for id in &ids {
-                        read = read.bind(*id);
-                    }
-                    let rows = read.fetch_all(&mut *tx).await?;
-                    let mails = rows
-                        .iter()
-                        .map(|row| queued_mail(row, b.lock))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    // Nothing is sent unless this commit succeeds.
-                    tx.commit().await?;
-                    Ok(mails)
-                })
-            })
-            .await
-    }
-
-    async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
-        if writes.is_empty() {
+    async fn claim(c: &mut MySqlConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {
+        let mut tx = c.begin().await?;
+        let ids: Vec<i64> = sqlx::query_scalar(PICK_DUE)
+            .bind(b.limit)
+            .fetch_all(&mut *tx)
+            .await?;
+        if ids.is_empty() {
+            tx.commit().await?;
             return Ok(Vec::new());
         }
+        let list = in_list(ids.len());
+        let stamp = sqlx::query(AssertSqlSafe(format!("{STAMP}{list}")))
+            .bind(b.lock.to_string())
+            .bind(b.nonce)
+            .bind(b.domain);
+        bind_ids(stamp, &ids).execute(&mut *tx).await?;
+        let read = sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}")))
+            .bind(b.inline_limit)
+            .bind(b.max_age);
+        let rows = bind_ids(read, &ids).fetch_all(&mut *tx).await?;
+        let mails = rows::claimed(&rows, b.lock)?;
+        // Nothing is sent unless this commit succeeds.
+        tx.commit().await?;
+        Ok(mails)
+    }
+
+    async fn finalize(
+        c: &mut MySqlConnection,
+        writes: Vec<Finalize>,
+    ) -> Result<Vec<i64>, sqlx::Error> {
         let mut ids: Vec<i64> = writes.iter().map(|w| w.id).collect();
         ids.sort_unstable();
         let expected: std::collections::HashMap<i64, String> =
             writes.iter().map(|w| (w.id, w.lock.to_string())).collect();
-        let json = finalize_json(writes);
+        let json = finalize_json(&writes);
         let events = writes.iter().any(|w| w.event.is_some());
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    // Lock the rows first, in id order, and see which are
-                    // still ours (MariaDB's UPDATE reports no row ids).
-                    let mut written = Vec::with_capacity(ids.len());
-                    for row in lock_by_id(&mut tx, &ids).await? {
-                        let (id, status, lock): (i64, String, Option<String>) = (
-                            row.try_get("id")?,
-                            row.try_get("status")?,
-                            row.try_get("thread_lock")?,
-                        );
-                        if status == "sending"
-                            && lock.is_some_and(|l| expected.get(&id) == Some(&l))
-                        {
-                            written.push(id);
-                        }
-                    }
-                    if !written.is_empty() {
-                        sqlx::query(FINALIZE)
-                            .bind(json.clone())
-                            .execute(&mut *tx)
-                            .await?;
-                        if events {
-                            let sql = format!("{FINALIZE_EVENTS}{}", in_list(written.len()));
-                            let mut insert = sqlx::query(AssertSqlSafe(sql)).bind(json);
-                            for id in &written {
-                                insert = insert.bind(*id);
-                            }
-                            insert.execute(&mut *tx).await?;
-                        }
-                    }
-                    tx.commit().await?;
-                    Ok(written)
-                })
-            })
-            .await
+        let mut tx = c.begin().await?;
+        // Lock the rows first, in id order, and see which are still ours
+        // (MariaDB's UPDATE reports no row ids).
+        let mut written = Vec::with_capacity(ids.len());
+        for row in lock_by_id(&mut tx, &ids).await? {
+            let (id, status, lock): (i64, String, Option<String>) = (
+                row.try_get("id")?,
+                row.try_get("status")?,
+                row.try_get("thread_lock")?,
+            );
+            if status == "sending" && lock.is_some_and(|l| expected.get(&id) == Some(&l)) {
+                written.push(id);
+            }
+        }
+        if !written.is_empty() {
+            sqlx::query(FINALIZE)
+                .bind(json.clone())
+                .execute(&mut *tx)
+                .await?;
+            if events {
+                let sql = format!("{FINALIZE_EVENTS}{}", in_list(written.len()));
+                let insert = sqlx::query(AssertSqlSafe(sql)).bind(json);
+                bind_ids(insert, &written).execute(&mut *tx).await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(written)
     }
 
-    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64> {
-        if held.is_empty() {
-            return Ok(0);
-        }
-        let json = shared::held_json(held);
-        let mut ids: Vec<i64> = held.iter().map(|(id, _)| *id).collect();
-        ids.sort_unstable();
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    // The same order as finalize: by id, through the primary key.
-                    lock_by_id(&mut tx, &ids).await?;
-                    let done = sqlx::query(RENEW).bind(json).execute(&mut *tx).await?;
-                    tx.commit().await?;
-                    Ok(done.rows_affected())
-                })
-            })
-            .await
+    async fn renew_locks(
+        c: &mut MySqlConnection,
+        held: Vec<(i64, BatchLock)>,
+    ) -> Result<u64, sqlx::Error> {
+        let ids: Vec<i64> = held.iter().map(|(id, _)| *id).collect();
+        let mut tx = c.begin().await?;
+        // The same order as finalize: by id, through the primary key.
+        lock_by_id(&mut tx, &ids).await?;
+        let done = sqlx::query(RENEW)
+            .bind(held_json(&held))
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(done.rows_affected())
     }
 
     async fn release_stale_locks(
-        &self,
-        older_than: Duration,
-        spare: &[BatchLock],
-    ) -> Result<Vec<StaleRow>> {
-        let (older_than, spare) = (shared::micros(older_than), shared::locks_json(spare));
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let picked = sqlx::query(PICK_STALE)
-                        .bind(older_than)
-                        .bind(spare)
-                        .fetch_all(&mut *tx)
-                        .await?;
-                    let stale = picked
-                        .iter()
-                        .map(StaleRow::from_row)
-                        .collect::<Result<Vec<_>, _>>()?;
-                    if !stale.is_empty() {
-                        for sql in [RELEASE_STALE, STALE_EVENTS] {
-                            let sql = format!("{sql}{}", in_list(stale.len()));
-                            let mut statement = sqlx::query(AssertSqlSafe(sql));
-                            for r in &stale {
-                                statement = statement.bind(r.id);
-                            }
-                            statement.execute(&mut *tx).await?;
-                        }
-                    }
-                    tx.commit().await?;
-                    Ok(stale)
-                })
-            })
-            .await
+        c: &mut MySqlConnection,
+        older_than: i64,
+        spare: Vec<BatchLock>,
+    ) -> Result<Vec<StaleRow>, sqlx::Error> {
+        let mut tx = c.begin().await?;
+        let picked = sqlx::query(PICK_STALE)
+            .bind(older_than)
+            .bind(locks_json(&spare))
+            .fetch_all(&mut *tx)
+            .await?;
+        let stale = picked
+            .iter()
+            .map(StaleRow::from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        let ids: Vec<i64> = stale.iter().map(|r| r.id).collect();
+        if !ids.is_empty() {
+            for sql in [RELEASE_STALE, STALE_EVENTS] {
+                let statement = sqlx::query(AssertSqlSafe(format!("{sql}{}", in_list(ids.len()))));
+                bind_ids(statement, &ids).execute(&mut *tx).await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(stale)
     }
 
-    async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
-        let mails = mails.to_vec();
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let mut tx = c.begin().await?;
-                    let mut out = Vec::with_capacity(mails.len());
-                    for mail in &mails {
-                        let query = insert_query(insert_columns(mail), |_, _| "?".into(), "");
-                        // MySQL has no ON CONFLICT DO NOTHING; a failed
-                        // statement leaves the transaction usable, so a taken
-                        // key is looked up instead.
-                        let enqueued = match query.execute(&mut *tx).await {
-                            Ok(done) => {
-                                let id = done.last_insert_id() as i64;
-                                insert_attachments::<sqlx::MySql>(
-                                    &mut tx,
-                                    QUERIES.insert_attachment,
-                                    id,
-                                    &mail.attachments,
-                                )
-                                .await?;
-                                Enqueued {
-                                    id,
-                                    duplicate: false,
-                                }
-                            }
-                            Err(sqlx::Error::Database(e))
-                                if e.is_unique_violation() && mail.dedupe_key.is_some() =>
-                            {
-                                Enqueued {
-                                    id: sqlx::query_scalar(EXISTING_DEDUPE)
-                                        .bind(mail.dedupe_key.as_deref())
-                                        .fetch_one(&mut *tx)
-                                        .await?,
-                                    duplicate: true,
-                                }
-                            }
-                            Err(e) => return Err(e),
-                        };
-                        out.push(enqueued);
+    async fn enqueue(
+        c: &mut MySqlConnection,
+        mails: Vec<NewMail>,
+    ) -> Result<Vec<Enqueued>, sqlx::Error> {
+        let mut tx = c.begin().await?;
+        let mut out = Vec::with_capacity(mails.len());
+        for mail in &mails {
+            let query = insert_query(insert_columns(mail), |_, _| "?".into(), "");
+            // MySQL has no ON CONFLICT DO NOTHING; a failed statement leaves
+            // the transaction usable, so a taken key is looked up instead.
+            let enqueued = match query.execute(&mut *tx).await {
+                Ok(done) => {
+                    let id = done.last_insert_id() as i64;
+                    insert_attachments::<sqlx::MySql>(
+                        &mut tx,
+                        QUERIES.insert_attachment,
+                        id,
+                        &mail.attachments,
+                    )
+                    .await?;
+                    Enqueued {
+                        id,
+                        duplicate: false,
                     }
-                    tx.commit().await?;
-                    Ok(out)
-                })
-            })
-            .await
+                }
+                Err(sqlx::Error::Database(e))
+                    if e.is_unique_violation() && mail.dedupe_key.is_some() =>
+                {
+                    Enqueued {
+                        id: sqlx::query_scalar(QUERIES.existing_dedupe)
+                            .bind(mail.dedupe_key.as_deref())
+                            .fetch_one(&mut *tx)
+                            .await?,
+                        duplicate: true,
+                    }
+                }
+                Err(e) => return Err(e),
+            };
+            out.push(enqueued);
+        }
+        tx.commit().await?;
+        Ok(out)
     }
 }

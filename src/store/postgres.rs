@@ -1,14 +1,14 @@
 //! PostgreSQL, the reference backend: claims with `FOR UPDATE SKIP LOCKED` in
-//! one statement, finalizes many rows in one fenced statement, wakes idle
-//! daemons with LISTEN/NOTIFY, and vacuums the table when autovacuum does not.
-//! Its SQL is most of its length.
+//! one statement, finalizes many rows (and their history) in one fenced
+//! statement, wakes idle daemons with LISTEN/NOTIFY, and vacuums the table
+//! when autovacuum does not. Its SQL is most of its length (over 500 lines:
+//! the statements of every operation, each with its reason).
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
-use async_trait::async_trait;
 use secrecy::ExposeSecret;
 use sqlx::{
-    postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions},
+    postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions},
     ConnectOptions as _, Executor, Row,
 };
 use tokio::sync::Notify;
@@ -16,64 +16,58 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    migrations::{self, POSTGRES},
-    shared::{self, queued_mail, Common, Param, Queries, Shared},
-    Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
-    QueuedMail, Result, RetrySelection, StaleRow, Store, StoreError,
+    dialect::{Dialect, SqlStore},
+    migrations::POSTGRES,
+    rows::{self, Param},
+    shared::{self, portable, Queries, Shared},
+    Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
+    QueuedMail, Result, StaleRow, StoreError,
 };
 
 /// The NOTIFY channel the insert trigger of the migration signals.
 const CHANNEL: &str = "tablemail";
 
-pub struct PgStore {
-    shared: Shared<sqlx::Postgres>,
+/// PostgreSQL's own ways; it keeps the connect options for the wake-up
+/// listener's connection.
+pub(crate) struct Postgres {
     options: PgConnectOptions,
 }
 
-impl PgStore {
-    /// Builds the pool without connecting; the first query connects.
-    pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
-        let mut connect = PgConnectOptions::from_str(url)?;
-        if let Some(password) = &options.password {
-            connect = connect.password(password.expose_secret());
-        }
-        let connect = connect
-            .application_name("tablemail")
-            // Our statements work on batches whose size is a parameter
-            // (LIMIT $1, arrays of outcomes). A generic plan guesses that size
-            // and turned the claim into a hash join over a sequential scan of
-            // the whole table; a plan made for the real values costs a
-            // fraction of a millisecond per batch and stays on the indexes.
-            .options([("plan_cache_mode", "force_custom_plan")])
-            // sqlx cannot set keepalive on its own socket; the server's side
-            // of each connection can: a tablemail that vanished (a lost NAT
-            // entry, a failed-over address) has its session, and any claim
-            // transaction still open in it, ended within seconds instead of
-            // the kernel's two hours. Our side is covered by the deadline on
-            // every call.
-            .options([
-                ("tcp_keepalives_idle", "10"),
-                ("tcp_keepalives_interval", "5"),
-                ("tcp_keepalives_count", "3"),
-            ])
-            .log_statements(tracing::log::LevelFilter::Trace)
-            .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
-        let pool = PgPoolOptions::new()
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.statement_timeout)
-            .connect_lazy_with(connect.clone());
-        Ok(PgStore {
-            shared: Shared {
-                pool,
-                deadline: options.statement_timeout,
-                queries: &QUERIES,
-                unit: shared::millis,
-                migrator: migrations::migrator(POSTGRES),
-                begin_write: "BEGIN",
-            },
-            options: connect,
-        })
+/// Builds the pool without connecting; the first query connects.
+pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Postgres>> {
+    let mut connect = PgConnectOptions::from_str(url)?;
+    if let Some(password) = &options.password {
+        connect = connect.password(password.expose_secret());
     }
+    let connect = connect
+        .application_name("tablemail")
+        // Our statements work on batches whose size is a parameter
+        // (LIMIT $1, arrays of outcomes). A generic plan guesses that size
+        // and turned the claim into a hash join over a sequential scan of
+        // the whole table; a plan made for the real values costs a
+        // fraction of a millisecond per batch and stays on the indexes.
+        .options([("plan_cache_mode", "force_custom_plan")])
+        // sqlx cannot set keepalive on its own socket; the server's side
+        // of each connection can: a tablemail that vanished (a lost NAT
+        // entry, a failed-over address) has its session, and any claim
+        // transaction still open in it, ended within seconds instead of
+        // the kernel's two hours. Our side is covered by the deadline on
+        // every call.
+        .options([
+            ("tcp_keepalives_idle", "10"),
+            ("tcp_keepalives_interval", "5"),
+            ("tcp_keepalives_count", "3"),
+        ])
+        .log_statements(tracing::log::LevelFilter::Trace)
+        .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
+    let pool = PgPoolOptions::new()
+        .max_connections(options.max_connections)
+        .acquire_timeout(options.statement_timeout)
+        .connect_lazy_with(connect.clone());
+    Ok(SqlStore {
+        shared: Shared::new::<Postgres>(pool, options.statement_timeout, POSTGRES, "BEGIN"),
+        dialect: Postgres { options: connect },
+    })
 }
 
 // `tablemail_due` (migration 0003) picks the rows in index order whatever the
@@ -85,7 +79,7 @@ const CLAIM: &str = r#"
 WITH claimed AS (
     UPDATE mail_queue AS m
     SET status = 'sending',
-        thread_lock = $2,
+        thread_lock = $2::uuid,
         locked_at = now(),
         attempts = m.attempts + 1,
         attempts_remaining = m.attempts_remaining - 1,
@@ -125,9 +119,11 @@ CROSS JOIN LATERAL (
 ) AS a
 "#;
 
-// The outcomes come sorted by id: rows are locked in the same order as lock
-// renewal locks them.
-const FINALIZE: &str = r#"
+/// The group commit's UPDATE. The outcomes come sorted by id: rows are
+/// locked in the same order as lock renewal locks them.
+macro_rules! finalize {
+    () => {
+        r#"
 UPDATE mail_queue AS m
 SET status = f.status,
     send_at = CASE WHEN f.delay_ms >= 0 THEN now() + f.delay_ms * interval '1 millisecond'
@@ -147,33 +143,19 @@ FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::
      AS f(id, lock, status, delay_ms, last_error, refund, processed, relay_down, relay_reply)
 WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
 RETURNING m.id
-"#;
+"#
+    };
+}
+
+const FINALIZE: &str = finalize!();
 
 // FINALIZE with the history rows of the group, written by the same
 // statement for the rows it updated: a group that has none (every mail sent)
 // keeps to the plain statement.
-const FINALIZE_WITH_EVENTS: &str = r#"
-WITH done AS (
-    UPDATE mail_queue AS m
-    SET status = f.status,
-        send_at = CASE WHEN f.delay_ms >= 0 THEN now() + f.delay_ms * interval '1 millisecond'
-                       ELSE m.send_at END,
-        attempts = m.attempts - f.refund::int,
-        attempts_remaining = m.attempts_remaining + f.refund::int,
-        processed_at = CASE WHEN f.processed THEN now() ELSE m.processed_at END,
-        relay_down_count = CASE f.relay_down WHEN 0 THEN 0
-                                             WHEN 1 THEN m.relay_down_count + 1
-                                             ELSE m.relay_down_count END,
-        thread_lock = NULL,
-        locked_at = NULL,
-        last_error = COALESCE(f.last_error, m.last_error),
-        relay_reply = COALESCE(f.relay_reply, m.relay_reply)
-    FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::bool[],
-                $7::bool[], $8::int2[], $9::text[])
-         AS f(id, lock, status, delay_ms, last_error, refund, processed, relay_down, relay_reply)
-    WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
-    RETURNING m.id
-), history AS (
+const FINALIZE_WITH_EVENTS: &str = concat!(
+    "WITH done AS (",
+    finalize!(),
+    r#"), history AS (
     INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
     SELECT e.id, e.attempt, e.outcome, e.stage, e.smtp_code, e.detail
     FROM unnest($10::bigint[], $11::int[], $12::text[], $13::text[], $14::int[], $15::text[])
@@ -181,7 +163,8 @@ WITH done AS (
     JOIN done ON done.id = e.id
 )
 SELECT id FROM done
-"#;
+"#
+);
 
 const RENEW: &str = r#"
 UPDATE mail_queue AS m SET locked_at = now()
@@ -213,9 +196,7 @@ SELECT id, requeued FROM released
 
 static QUERIES: Queries = Queries {
     placeholder: |i| format!("${i}"),
-    status_counts: r#"
-SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status
-"#,
+    status_counts: portable::STATUS_COUNTS,
     status_ages: r#"
 SELECT
     (SELECT EXTRACT(EPOCH FROM now() - min(send_at))::float8 FROM mail_queue
@@ -230,12 +211,7 @@ SELECT
     COALESCE(sum(sent), 0)::int8 AS sent_15m
 FROM tablemail_minute WHERE minute >= date_trunc('minute', now()) - interval '15 minutes'
 "#,
-    recent_failures: r#"
-SELECT id, status, processed_at, last_error FROM mail_queue
-WHERE status IN ('failed', 'unknown')
-ORDER BY processed_at DESC NULLS LAST, id DESC
-LIMIT 10
-"#,
+    recent_failures: portable::RECENT_FAILURES,
     failure_groups: r#"
 SELECT outcome, stage, smtp_code, count(*) AS count, max(detail) AS example
 FROM mail_event
@@ -252,6 +228,7 @@ FROM mail_queue WHERE id = $1 AND thread_lock = $2::uuid AND status = 'sending'
 SELECT filename, content_type, content, content_id FROM mail_attachment
 WHERE mail_id = $1 ORDER BY id
 "#,
+    existing_dedupe: "SELECT id FROM mail_queue WHERE dedupe_key = $1",
     insert_attachment: r#"
 INSERT INTO mail_attachment (mail_id, filename, content_type, content, content_id)
 VALUES ($1, $2, $3, $4, $5)
@@ -349,181 +326,114 @@ WHERE s.relid = 'mail_queue'::regclass
 const VACUUM_LOCK: &str = "SELECT pg_try_advisory_lock(7261736877)";
 const VACUUM_UNLOCK: &str = "SELECT pg_advisory_unlock(7261736877)";
 
-const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = $1";
-
 const NOTIFY: &str = "SELECT pg_notify($1, '')";
 
-#[async_trait]
-impl Store for PgStore {
-    fn backend(&self) -> Backend {
-        Backend::Postgres
+impl Dialect for Postgres {
+    type DB = sqlx::Postgres;
+    const BACKEND: Backend = Backend::Postgres;
+
+    const QUERIES: &'static Queries = &QUERIES;
+    const UNIT: fn(Duration) -> i64 = shared::millis;
+
+    async fn claim(c: &mut PgConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {
+        let lock = b.lock;
+        let rows = b.bind(sqlx::query(CLAIM)).fetch_all(c).await?;
+        rows::claimed(&rows, lock)
     }
 
-    fn common(&self) -> &dyn Common {
-        &self.shared
-    }
-
-    async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
-        let b = claim.binds(shared::millis);
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let rows = sqlx::query(CLAIM)
-                        .bind(b.limit)
-                        .bind(b.lock.0)
-                        .bind(b.nonce)
-                        .bind(b.domain)
-                        .bind(b.max_age)
-                        .bind(b.inline_limit)
-                        .fetch_all(&mut *c)
-                        .await?;
-                    rows.iter().map(|row| queued_mail(row, b.lock)).collect()
-                })
-            })
-            .await
-    }
-
-    async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
-        if writes.is_empty() {
-            return Ok(Vec::new());
+    async fn finalize(
+        c: &mut PgConnection,
+        mut writes: Vec<Finalize>,
+    ) -> Result<Vec<i64>, sqlx::Error> {
+        writes.sort_unstable_by_key(|w| w.id);
+        let cols = FinalizeArrays::of(&writes);
+        let has_events = !cols.events.ids.is_empty();
+        let sql = if has_events {
+            FINALIZE_WITH_EVENTS
+        } else {
+            FINALIZE
+        };
+        let mut query = sqlx::query(sql)
+            .bind(cols.ids)
+            .bind(cols.locks)
+            .bind(cols.statuses)
+            .bind(cols.delays)
+            .bind(cols.errors)
+            .bind(cols.refunds)
+            .bind(cols.processed)
+            .bind(cols.relay_down)
+            .bind(cols.relay_replies);
+        if has_events {
+            let e = cols.events;
+            query = query
+                .bind(e.ids)
+                .bind(e.attempts)
+                .bind(e.outcomes)
+                .bind(e.stages)
+                .bind(e.codes)
+                .bind(e.details);
         }
-        let mut sorted: Vec<&Finalize> = writes.iter().collect();
-        sorted.sort_unstable_by_key(|w| w.id);
-        let cols = FinalizeArrays::of(&sorted);
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let has_events = !cols.events.ids.is_empty();
-                    let sql = if has_events {
-                        FINALIZE_WITH_EVENTS
-                    } else {
-                        FINALIZE
-                    };
-                    let mut query = sqlx::query(sql)
-                        .bind(cols.ids)
-                        .bind(cols.locks)
-                        .bind(cols.statuses)
-                        .bind(cols.delays)
-                        .bind(cols.errors)
-                        .bind(cols.refunds)
-                        .bind(cols.processed)
-                        .bind(cols.relay_down)
-                        .bind(cols.relay_replies);
-                    if has_events {
-                        let e = cols.events;
-                        query = query
-                            .bind(e.ids)
-                            .bind(e.attempts)
-                            .bind(e.outcomes)
-                            .bind(e.stages)
-                            .bind(e.codes)
-                            .bind(e.details);
-                    }
-                    let rows = query.fetch_all(&mut *c).await?;
-                    rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
-                })
-            })
-            .await
+        let rows = query.fetch_all(c).await?;
+        rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
     }
 
-    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64> {
-        if held.is_empty() {
-            return Ok(0);
-        }
-        let mut held = held.to_vec();
-        held.sort_unstable_by_key(|(id, _)| *id);
-        let ids: Vec<i64> = held.iter().map(|(id, _)| *id).collect();
-        let locks: Vec<Uuid> = held.iter().map(|(_, lock)| lock.0).collect();
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let done = sqlx::query(RENEW)
-                        .bind(ids)
-                        .bind(locks)
-                        .execute(&mut *c)
-                        .await?;
-                    Ok(done.rows_affected())
-                })
-            })
-            .await
+    async fn renew_locks(
+        c: &mut PgConnection,
+        held: Vec<(i64, BatchLock)>,
+    ) -> Result<u64, sqlx::Error> {
+        let (ids, locks): (Vec<i64>, Vec<Uuid>) =
+            held.iter().map(|(id, lock)| (*id, lock.0)).unzip();
+        let done = sqlx::query(RENEW).bind(ids).bind(locks).execute(c).await?;
+        Ok(done.rows_affected())
     }
 
     async fn release_stale_locks(
-        &self,
-        older_than: Duration,
-        spare: &[BatchLock],
-    ) -> Result<Vec<StaleRow>> {
-        let older_than = shared::millis(older_than);
+        c: &mut PgConnection,
+        older_than: i64,
+        spare: Vec<BatchLock>,
+    ) -> Result<Vec<StaleRow>, sqlx::Error> {
         let spare: Vec<Uuid> = spare.iter().map(|l| l.0).collect();
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    sqlx::query_as(RELEASE_STALE)
-                        .bind(older_than)
-                        .bind(spare)
-                        .fetch_all(&mut *c)
-                        .await
-                })
-            })
+        sqlx::query_as(RELEASE_STALE)
+            .bind(older_than)
+            .bind(spare)
+            .fetch_all(c)
             .await
     }
 
-    async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
-        let mails = mails.to_vec();
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let mut tx = sqlx::Connection::begin(&mut *c).await?;
-                    let out = shared::insert_returning::<sqlx::Postgres>(
-                        &mut tx,
-                        &mails,
-                        |i, p| match p {
-                            Param::Json(_) => format!("${i}::jsonb"),
-                            _ => format!("${i}"),
-                        },
-                        EXISTING_DEDUPE,
-                        QUERIES.insert_attachment,
-                    )
-                    .await?;
-                    tx.commit().await?;
-                    Ok(out)
-                })
-            })
+    async fn enqueue(
+        c: &mut PgConnection,
+        mails: Vec<NewMail>,
+    ) -> Result<Vec<Enqueued>, sqlx::Error> {
+        let placeholder = |i, p: &Param<'_>| match p {
+            Param::Json(_) => format!("${i}::jsonb"),
+            _ => format!("${i}"),
+        };
+        rows::insert_returning::<sqlx::Postgres>(c, "BEGIN", mails, placeholder, &QUERIES).await
+    }
+
+    /// The rows are due now: wake the daemons as an INSERT would.
+    async fn rows_due_now(c: &mut PgConnection) -> Result<(), sqlx::Error> {
+        sqlx::query(NOTIFY)
+            .bind(CHANNEL)
+            .execute(c)
             .await
+            .map(|_| ())
     }
 
-    async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
-        let done = self.shared.retry(which, attempts).await?;
-        if done > 0 {
-            // The rows are due now: wake the daemons as an INSERT would.
-            self.shared
-                .run(|c| {
-                    Box::pin(async move {
-                        sqlx::query(NOTIFY)
-                            .bind(CHANNEL)
-                            .execute(&mut *c)
-                            .await
-                            .map(|_| ())
-                    })
-                })
-                .await?;
-        }
-        Ok(done)
-    }
-
-    async fn maintain(&self) -> Result<Option<Maintenance>> {
+    async fn maintain(&self, shared: &Shared<sqlx::Postgres>) -> Result<Option<Maintenance>> {
         // VACUUM of a large table takes its time: a deadline of its own.
-        let limit = self.shared.deadline.max(Duration::from_secs(600));
-        shared::within(&self.shared.pool, limit, |c| Box::pin(vacuum_if_needed(c))).await
+        let limit = shared.deadline.max(Duration::from_secs(600));
+        shared::within(&shared.pool, limit, |c| Box::pin(vacuum_if_needed(c))).await
     }
 
     fn spawn_wakeup_listener(
         &self,
+        shared: &Shared<sqlx::Postgres>,
         wake: Arc<Notify>,
         cancel: CancellationToken,
     ) -> Option<&'static str> {
-        let (options, deadline) = (self.options.clone(), self.shared.deadline);
-        let pool = self.shared.pool.clone();
+        let (options, deadline) = (self.options.clone(), shared.deadline);
+        let pool = shared.pool.clone();
         tokio::spawn(async move {
             loop {
                 if let Err(e) = listen(&options, &pool, deadline, &wake, &cancel).await {
@@ -567,7 +477,7 @@ struct EventArrays {
 }
 
 impl FinalizeArrays {
-    fn of(writes: &[&Finalize]) -> Self {
+    fn of(writes: &[Finalize]) -> Self {
         let n = writes.len();
         let mut a = FinalizeArrays {
             ids: Vec::with_capacity(n),

@@ -1,10 +1,13 @@
 //! What operators read back from the database: one mail with its
 //! attachments and history (`tablemail show`, the console's mail page), the
-//! failures of the last hour by stage and reply, the daemons draining the
-//! queue, and the per-minute counts behind the rates and the console's chart.
+//! queue's counts and ages (`status`), the failures of the last hour by stage
+//! and reply, the daemons draining the queue, the per-minute counts behind
+//! the rates and the console's chart; and what operators do (retry, purge).
 
 use chrono::{DateTime, Utc};
-use serde::{Deserialize, Deserializer, Serialize};
+use serde::Serialize;
+
+use super::MailContent;
 
 /// How an operator names one mail.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,25 +54,11 @@ pub struct MailRecord {
     /// The relay's reply to "." of the attempt that sent it.
     pub relay_reply: Option<String>,
     pub subject: String,
-    /// The sender, recipients and bodies: only when asked for.
+    /// The sender, recipients, bodies and headers: only when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub content: Option<RecordContent>,
+    pub content: Option<MailContent>,
     pub attachments: Vec<AttachmentInfo>,
     pub events: Vec<EventRow>,
-}
-
-/// The parts of a mail that are not shown unless asked for.
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
-pub struct RecordContent {
-    pub from_name: Option<String>,
-    pub from_address: Option<String>,
-    pub to_address: String,
-    pub cc: Option<String>,
-    pub bcc: Option<String>,
-    pub reply_to: Option<String>,
-    pub body: Option<String>,
-    pub body_html: Option<String>,
-    pub headers: Option<String>,
 }
 
 /// An attachment without its bytes.
@@ -178,30 +167,79 @@ pub struct MailSummary {
     pub last_error: Option<String>,
 }
 
-/// An attachment as `enqueue --jsonl` takes it: `{"filename",
-/// "content_type", "content_base64", "content_id"}`.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NewAttachment {
-    pub filename: String,
-    /// Default `application/octet-stream`.
-    #[serde(default)]
-    pub content_type: Option<String>,
-    #[serde(rename = "content_base64", deserialize_with = "base64_bytes")]
-    pub content: Vec<u8>,
-    #[serde(default)]
-    pub content_id: Option<String>,
+/// Which rows `retry` puts back to `queued`.
+#[derive(Debug, Clone, Copy)]
+pub enum RetrySelection {
+    Id(i64),
+    AllFailed,
 }
 
-/// The type of an attachment inserted without one.
-pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
+impl RetrySelection {
+    /// The one row, or `None` for all of them (a NULL parameter in SQL).
+    pub fn id(self) -> Option<i64> {
+        match self {
+            RetrySelection::Id(id) => Some(id),
+            RetrySelection::AllFailed => None,
+        }
+    }
+}
 
-fn base64_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-    use base64::Engine as _;
-    let text = String::deserialize(d)?;
-    base64::engine::general_purpose::STANDARD
-        .decode(text.trim())
-        .map_err(|e| serde::de::Error::custom(format!("content_base64: {e}")))
+#[derive(Debug, Clone, Default)]
+pub struct StatusCount {
+    pub status: String,
+    pub count: i64,
+}
+
+/// Serialized as is into `status --json`'s `recent_failures`.
+#[derive(Debug, Clone, Serialize)]
+pub struct RecentFailure {
+    pub id: i64,
+    pub status: String,
+    pub processed_at: Option<DateTime<Utc>>,
+    pub last_error: Option<String>,
+}
+
+/// What `tablemail status` shows.
+#[derive(Debug, Clone, Default)]
+pub struct QueueStats {
+    pub counts: Vec<StatusCount>,
+    /// Seconds since the oldest due `queued` row became due.
+    pub oldest_due_age_seconds: Option<f64>,
+    /// `sending` rows whose lock is older than the lock timeout.
+    pub stale_locks: i64,
+    /// Mails the daemons sent in the last minute, five minutes, fifteen
+    /// minutes (from their per-minute counts: retention may already have
+    /// deleted the rows).
+    pub sent_last_1m: i64,
+    pub sent_last_5m: i64,
+    pub sent_last_15m: i64,
+    pub recent_failures: Vec<RecentFailure>,
+}
+
+impl QueueStats {
+    /// Rows with this status.
+    pub fn count(&self, status: &str) -> i64 {
+        self.counts
+            .iter()
+            .find(|c| c.status == status)
+            .map_or(0, |c| c.count)
+    }
+}
+
+/// Finished rows that retention deletes, each kind with its own age.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    Sent,
+    FailedOrCancelled,
+}
+
+/// What [`Store::maintain`] found or did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Maintenance {
+    /// The table was vacuumed: it held this many dead rows.
+    Vacuumed { dead_rows: i64, autovacuum: bool },
+    /// Dead rows pile up, and this role may not vacuum (it does not own the table).
+    CannotVacuum { dead_rows: i64 },
 }
 
 #[cfg(test)]
@@ -224,18 +262,5 @@ mod tests {
         ] {
             assert_eq!(MailLookup::assigned_id(&other), None, "{other}");
         }
-    }
-
-    #[test]
-    fn attachments_arrive_as_base64() {
-        let a: NewAttachment = serde_json::from_str(
-            r#"{"filename": "a.bin", "content_base64": "AAEC/w==", "content_id": "x"}"#,
-        )
-        .unwrap();
-        assert_eq!(a.content, vec![0, 1, 2, 255]);
-        assert!(serde_json::from_str::<NewAttachment>(
-            r#"{"filename": "a", "content_base64": "not base64!"}"#
-        )
-        .is_err());
     }
 }

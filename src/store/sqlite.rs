@@ -6,7 +6,6 @@
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
-use async_trait::async_trait;
 use sqlx::{
     sqlite::{
         SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions,
@@ -18,49 +17,46 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    migrations::{self, SQLITE},
-    shared::{
-        self, finalize_json, held_json, locks_json, queued_mail, Common, Param, Queries, Shared,
-    },
-    Backend, BatchLock, Claim, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail, Result,
-    StaleRow, Store,
+    dialect::{Dialect, SqlStore},
+    migrations::SQLITE,
+    rows::{self, finalize_json, held_json, locks_json, Param},
+    shared::{self, portable, Queries, Shared},
+    Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail,
+    Result, StaleRow,
 };
 
 /// How often the watcher looks for commits of other connections.
 const WATCH_EVERY: Duration = Duration::from_millis(25);
 
-pub struct SqliteStore {
-    shared: Shared<sqlx::Sqlite>,
+/// SQLite's own ways; it keeps the connect options for the watcher's
+/// connection.
+pub(crate) struct Sqlite {
     options: SqliteConnectOptions,
 }
 
-impl SqliteStore {
-    pub fn connect(url: &str, options: ConnectOptions) -> Result<Self> {
-        let connect = SqliteConnectOptions::from_str(url)?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(Duration::from_secs(10).min(options.statement_timeout))
-            .foreign_keys(true)
-            .log_statements(tracing::log::LevelFilter::Trace)
-            .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(options.max_connections)
-            .acquire_timeout(options.statement_timeout)
-            .connect_lazy_with(connect.clone());
-        Ok(SqliteStore {
-            shared: Shared {
-                pool,
-                deadline: options.statement_timeout,
-                queries: &QUERIES,
-                unit: shared::millis,
-                migrator: migrations::migrator(SQLITE),
-                begin_write: "BEGIN IMMEDIATE",
-            },
-            options: connect,
-        })
-    }
+pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Sqlite>> {
+    let connect = SqliteConnectOptions::from_str(url)?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal)
+        .busy_timeout(Duration::from_secs(10).min(options.statement_timeout))
+        // Attachments and history go with their mail.
+        .foreign_keys(true)
+        .log_statements(tracing::log::LevelFilter::Trace)
+        .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(options.max_connections)
+        .acquire_timeout(options.statement_timeout)
+        .connect_lazy_with(connect.clone());
+    // IMMEDIATE: a transaction that writes takes the write lock first, so it
+    // never has to upgrade a read snapshot (which SQLite refuses when busy).
+    Ok(SqlStore {
+        shared: Shared::new::<Sqlite>(pool, options.statement_timeout, SQLITE, IMMEDIATE),
+        dialect: Sqlite { options: connect },
+    })
 }
+
+const IMMEDIATE: &str = "BEGIN IMMEDIATE";
 
 /// The octets of a row's text columns together (`octet_length` reads a
 /// value's size, not the value).
@@ -95,16 +91,16 @@ const CLAIM: &str = concat!(
     r#"
 UPDATE mail_queue
 SET status = 'sending',
-    thread_lock = ?1,
+    thread_lock = ?2,
     locked_at = strftime('%Y-%m-%d %H:%M:%f', 'now'),
     attempts = attempts + 1,
     attempts_remaining = attempts_remaining - 1,
-    message_id = COALESCE(message_id, '<' || ?2 || '.' || id || '@' || ?3 || '>')
+    message_id = COALESCE(message_id, '<' || ?3 || '.' || id || '@' || ?4 || '>')
 WHERE id IN (
     SELECT id FROM mail_queue INDEXED BY mail_queue_claim_idx
     WHERE status = 'queued' AND julianday(send_at) <= julianday('now')
     ORDER BY priority DESC, send_at, id
-    LIMIT ?4
+    LIMIT ?1
 )
 RETURNING id, priority, attempts, attempts_remaining, relay_down_count, message_id,
     julianday(max(created_at, coalesce(retried_at, created_at))) < julianday('now') - ?5 / 86400000.0
@@ -216,9 +212,7 @@ FROM json_each(?1)
 
 static QUERIES: Queries = Queries {
     placeholder: |i| format!("?{i}"),
-    status_counts: r#"
-SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status
-"#,
+    status_counts: portable::STATUS_COUNTS,
     status_ages: r#"
 SELECT
     (SELECT (julianday('now') - julianday(min(send_at))) * 86400.0 FROM mail_queue
@@ -235,12 +229,7 @@ SELECT
     coalesce(sum(sent), 0) AS sent_15m
 FROM tablemail_minute WHERE minute >= strftime('%Y-%m-%d %H:%M:00.000', 'now', '-15 minutes')
 "#,
-    recent_failures: r#"
-SELECT id, status, processed_at, last_error FROM mail_queue
-WHERE status IN ('failed', 'unknown')
-ORDER BY processed_at IS NULL, processed_at DESC, id DESC
-LIMIT 10
-"#,
+    recent_failures: portable::RECENT_FAILURES,
     failure_groups: r#"
 SELECT outcome, stage, smtp_code, count(*) AS count, max(detail) AS example
 FROM mail_event
@@ -256,6 +245,7 @@ FROM mail_queue WHERE id = ?1 AND thread_lock = ?2 AND status = 'sending'
 SELECT filename, content_type, content, content_id FROM mail_attachment
 WHERE mail_id = ?1 ORDER BY id
 "#,
+    existing_dedupe: "SELECT id FROM mail_queue WHERE dedupe_key = ?1",
     insert_attachment: r#"
 INSERT INTO mail_attachment (mail_id, filename, content_type, content, content_id)
 VALUES (?1, ?2, ?3, ?4, ?5)
@@ -343,154 +333,102 @@ GROUP BY minute ORDER BY minute
 "#,
 };
 
-const EXISTING_DEDUPE: &str = "SELECT id FROM mail_queue WHERE dedupe_key = ?1";
+impl Dialect for Sqlite {
+    type DB = sqlx::Sqlite;
+    const BACKEND: Backend = Backend::Sqlite;
 
-#[async_trait]
-impl Store for SqliteStore {
-    fn backend(&self) -> Backend {
-        Backend::Sqlite
+    const QUERIES: &'static Queries = &QUERIES;
+    const UNIT: fn(Duration) -> i64 = shared::millis;
+
+    async fn claim(
+        c: &mut SqliteConnection,
+        b: ClaimBinds,
+    ) -> Result<Vec<QueuedMail>, sqlx::Error> {
+        let lock = b.lock;
+        let rows = b.bind(sqlx::query(CLAIM)).fetch_all(c).await?;
+        rows::claimed(&rows, lock)
     }
 
-    fn common(&self) -> &dyn Common {
-        &self.shared
-    }
-
-    async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
-        let b = claim.binds(shared::millis);
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let rows = sqlx::query(CLAIM)
-                        .bind(b.lock.to_string())
-                        .bind(b.nonce)
-                        .bind(b.domain)
-                        .bind(b.limit)
-                        .bind(b.max_age)
-                        .bind(b.inline_limit)
-                        .fetch_all(&mut *c)
-                        .await?;
-                    rows.iter().map(|row| queued_mail(row, b.lock)).collect()
-                })
-            })
-            .await
-    }
-
-    async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
-        if writes.is_empty() {
-            return Ok(Vec::new());
+    async fn finalize(
+        c: &mut SqliteConnection,
+        writes: Vec<Finalize>,
+    ) -> Result<Vec<i64>, sqlx::Error> {
+        let json = finalize_json(&writes);
+        if writes.iter().all(|w| w.event.is_none()) {
+            let rows = sqlx::query(FINALIZE).bind(json).fetch_all(c).await?;
+            return rows.iter().map(|r| r.try_get::<i64, _>(0)).collect();
         }
-        let json = finalize_json(writes);
-        let events = writes.iter().any(|w| w.event.is_some());
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    if !events {
-                        let rows = sqlx::query(FINALIZE).bind(json).fetch_all(&mut *c).await?;
-                        return rows.iter().map(|r| r.try_get::<i64, _>(0)).collect();
-                    }
-                    let mut tx = c.begin_with("BEGIN IMMEDIATE").await?;
-                    let rows = sqlx::query(FINALIZE)
-                        .bind(json.clone())
-                        .fetch_all(&mut *tx)
-                        .await?;
-                    let written = rows
-                        .iter()
-                        .map(|r| r.try_get::<i64, _>(0))
-                        .collect::<Result<Vec<i64>, _>>()?;
-                    sqlx::query(FINALIZE_EVENTS)
-                        .bind(json)
-                        .bind(serde_json::to_string(&written).expect("ids serialize"))
-                        .execute(&mut *tx)
-                        .await?;
-                    tx.commit().await?;
-                    Ok(written)
-                })
-            })
-            .await
+        let mut tx = c.begin_with(IMMEDIATE).await?;
+        let rows = sqlx::query(FINALIZE)
+            .bind(json.clone())
+            .fetch_all(&mut *tx)
+            .await?;
+        let written = rows
+            .iter()
+            .map(|r| r.try_get::<i64, _>(0))
+            .collect::<Result<Vec<i64>, _>>()?;
+        sqlx::query(FINALIZE_EVENTS)
+            .bind(json)
+            .bind(serde_json::Value::from(written.clone()).to_string())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(written)
     }
 
-    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64> {
-        if held.is_empty() {
-            return Ok(0);
-        }
-        let json = held_json(held);
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let done = sqlx::query(RENEW).bind(json).execute(&mut *c).await?;
-                    Ok(done.rows_affected())
-                })
-            })
-            .await
+    async fn renew_locks(
+        c: &mut SqliteConnection,
+        held: Vec<(i64, BatchLock)>,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(RENEW).bind(held_json(&held)).execute(c).await?;
+        Ok(done.rows_affected())
     }
 
     async fn release_stale_locks(
-        &self,
-        older_than: Duration,
-        spare: &[BatchLock],
-    ) -> Result<Vec<StaleRow>> {
-        let (older_than, spare) = (shared::millis(older_than), locks_json(spare));
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    let mut tx = c.begin_with("BEGIN IMMEDIATE").await?;
-                    let rows = sqlx::query(RELEASE_STALE)
-                        .bind(older_than)
-                        .bind(spare)
-                        .fetch_all(&mut *tx)
-                        .await?;
-                    let mut released = Vec::with_capacity(rows.len());
-                    let mut history = Vec::with_capacity(rows.len());
-                    for row in &rows {
-                        let stale = StaleRow::from_row(row)?;
-                        let attempts: i64 = row.try_get("attempts")?;
-                        history.push(serde_json::json!([stale.id, attempts, stale.requeued]));
-                        released.push(stale);
-                    }
-                    if !released.is_empty() {
-                        sqlx::query(STALE_EVENTS)
-                            .bind(serde_json::Value::Array(history).to_string())
-                            .execute(&mut *tx)
-                            .await?;
-                    }
-                    tx.commit().await?;
-                    Ok(released)
-                })
-            })
-            .await
+        c: &mut SqliteConnection,
+        older_than: i64,
+        spare: Vec<BatchLock>,
+    ) -> Result<Vec<StaleRow>, sqlx::Error> {
+        let mut tx = c.begin_with(IMMEDIATE).await?;
+        let rows = sqlx::query(RELEASE_STALE)
+            .bind(older_than)
+            .bind(locks_json(&spare))
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut released = Vec::with_capacity(rows.len());
+        let mut history = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let stale = StaleRow::from_row(row)?;
+            let attempts: i64 = row.try_get("attempts")?;
+            history.push(serde_json::json!([stale.id, attempts, stale.requeued]));
+            released.push(stale);
+        }
+        if !released.is_empty() {
+            sqlx::query(STALE_EVENTS)
+                .bind(serde_json::Value::Array(history).to_string())
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(released)
     }
 
-    async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
-        let mails = mails.to_vec();
-        self.shared
-            .run(|c| {
-                Box::pin(async move {
-                    // IMMEDIATE: take the write lock first, so the transaction
-                    // never has to upgrade a read snapshot (which SQLite
-                    // refuses when busy).
-                    let mut tx = c.begin_with("BEGIN IMMEDIATE").await?;
-                    let out = shared::insert_returning::<sqlx::Sqlite>(
-                        &mut tx,
-                        &mails,
-                        |i, p| match p {
-                            // Times in the column's own text format, so
-                            // that they sort with the defaults.
-                            Param::Time(_) => format!("strftime('%Y-%m-%d %H:%M:%f', ?{i})"),
-                            _ => format!("?{i}"),
-                        },
-                        EXISTING_DEDUPE,
-                        QUERIES.insert_attachment,
-                    )
-                    .await?;
-                    tx.commit().await?;
-                    Ok(out)
-                })
-            })
-            .await
+    async fn enqueue(
+        c: &mut SqliteConnection,
+        mails: Vec<NewMail>,
+    ) -> Result<Vec<Enqueued>, sqlx::Error> {
+        // Times in the column's own text format, so that they sort with the
+        // defaults.
+        let placeholder = |i, p: &Param<'_>| match p {
+            Param::Time(_) => format!("strftime('%Y-%m-%d %H:%M:%f', ?{i})"),
+            _ => format!("?{i}"),
+        };
+        rows::insert_returning::<sqlx::Sqlite>(c, IMMEDIATE, mails, placeholder, &QUERIES).await
     }
 
     fn spawn_wakeup_listener(
         &self,
+        _shared: &Shared<sqlx::Sqlite>,
         wake: Arc<Notify>,
         cancel: CancellationToken,
     ) -> Option<&'static str> {
@@ -539,8 +477,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("tablemail-plan-{}", Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         let url = format!("sqlite://{}", dir.join("plan.db").display());
-        let store = SqliteStore::connect(&url, ConnectOptions::new(1)).unwrap();
-        store.migrate().await.unwrap();
+        let store = connect(&url, ConnectOptions::new(1)).unwrap();
+        crate::store::Store::migrate(&store).await.unwrap();
         let mut conn = store.shared.pool.acquire().await.unwrap();
         for sql in [
             "ANALYZE",

@@ -1,0 +1,155 @@
+//! What a claim asks for and what it brings: the batch's lock, the claimed
+//! rows with their sizes, and the columns and attachments a message is built
+//! from (brought by the claim for small rows, loaded at send time for the
+//! others).
+
+use std::{fmt, time::Duration};
+
+use uuid::Uuid;
+
+/// The GUID that one claimed batch holds in `thread_lock`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BatchLock(pub Uuid);
+
+impl BatchLock {
+    /// A fresh v4 GUID: every claim takes a new one.
+    /// A fresh random lock (deliberately not `Default`: a lock made by
+    /// accident would fence nothing).
+    pub fn generate() -> Self {
+        BatchLock(Uuid::new_v4())
+    }
+}
+
+impl fmt::Display for BatchLock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// What a claim asks for.
+#[derive(Debug, Clone)]
+pub struct Claim<'a> {
+    pub lock: BatchLock,
+    pub limit: usize,
+    /// Rows created (or retried by an operator) longer ago than this come
+    /// back with `expired` set.
+    pub max_age: Duration,
+    /// Right-hand side of Message-IDs the daemon assigns.
+    pub message_id_domain: &'a str,
+    /// Rows whose text columns together are at most this many octets come
+    /// with them; larger ones are loaded when they are sent
+    /// ([`Store::load_content`]), so that what a daemon holds claimed is
+    /// bounded whatever the rows carry.
+    pub inline_limit: usize,
+}
+
+/// What every backend's claim statement binds, owned so that it moves into
+/// the statement's future.
+pub(crate) struct ClaimBinds {
+    /// Makes the assigned Message-IDs unique across claims.
+    pub nonce: String,
+    pub lock: BatchLock,
+    pub limit: i64,
+    pub domain: String,
+    /// `max_age` in the backend's unit.
+    pub max_age: i64,
+    pub inline_limit: i64,
+}
+
+impl ClaimBinds {
+    /// Binds a one-statement claim's parameters, in this order: limit, lock,
+    /// Message-ID nonce, Message-ID domain, max age, inline limit.
+    pub(crate) fn bind<'q, DB: sqlx::Database>(
+        self,
+        query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    ) -> sqlx::query::Query<'q, DB, DB::Arguments>
+    where
+        i64: super::rows::Bind<DB>,
+        String: super::rows::Bind<DB>,
+    {
+        query
+            .bind(self.limit)
+            .bind(self.lock.to_string())
+            .bind(self.nonce)
+            .bind(self.domain)
+            .bind(self.max_age)
+            .bind(self.inline_limit)
+    }
+}
+
+impl Claim<'_> {
+    pub(crate) fn binds(&self, unit: fn(Duration) -> i64) -> ClaimBinds {
+        ClaimBinds {
+            nonce: uuid::Uuid::new_v4().simple().to_string(),
+            lock: self.lock,
+            limit: self.limit as i64,
+            domain: self.message_id_domain.to_string(),
+            max_age: unit(self.max_age),
+            inline_limit: self.inline_limit as i64,
+        }
+    }
+}
+
+/// A claimed row: status `sending`, held by `lock`, attempt already spent.
+#[derive(Debug, Clone)]
+pub struct QueuedMail {
+    pub id: i64,
+    pub lock: BatchLock,
+    pub priority: i32,
+    /// Tries made, this one included.
+    pub attempts: i32,
+    /// Tries left after this one.
+    pub attempts_remaining: i32,
+    /// Relay-down outcomes this row drew in a row while other mails went
+    /// through (`worker.relay_down_limit`).
+    pub relay_down_count: i32,
+    pub message_id: String,
+    /// `created_at` (or the last operator retry) is older than
+    /// `worker.max_age` (by the database clock).
+    pub expired: bool,
+    /// How large the row is, counted by the database.
+    pub sizes: MailSizes,
+    /// The text columns, when the claim brought them (`sizes.content` within
+    /// the claim's `inline_limit`); otherwise [`Store::load_content`] reads
+    /// them when the mail is sent.
+    pub content: Option<MailContent>,
+}
+
+/// A mail's size in octets as stored, known from the claim before any of
+/// it is loaded.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MailSizes {
+    /// The text columns together: addresses, subject, bodies, headers.
+    pub content: u64,
+    /// The bodies alone (`body`, `body_html`).
+    pub bodies: u64,
+    pub attachments: u32,
+    /// The attachments' bytes together, before encoding.
+    pub attachment_bytes: u64,
+}
+
+/// The columns a message is built from.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct MailContent {
+    pub from_name: Option<String>,
+    pub from_address: Option<String>,
+    pub to_address: String,
+    pub cc: Option<String>,
+    pub bcc: Option<String>,
+    pub reply_to: Option<String>,
+    pub subject: String,
+    pub body: Option<String>,
+    pub body_html: Option<String>,
+    /// The `headers` column as JSON text.
+    pub headers: Option<String>,
+}
+
+/// One row of `mail_attachment`, as loaded to be sent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    pub filename: String,
+    pub content_type: String,
+    pub content: Vec<u8>,
+    /// Set: an inline part, referenced from `body_html` as `cid:…`.
+    pub content_id: Option<String>,
+}

@@ -1,0 +1,224 @@
+//! The writes that end a claim: what becomes of each claimed row, the
+//! columns that says to write (the same on every backend), and the history
+//! row written with it.
+
+use std::time::Duration;
+
+use super::{shared, BatchLock};
+
+/// The final write for one claimed row.
+#[derive(Debug, Clone)]
+pub struct Finalize {
+    pub id: i64,
+    pub lock: BatchLock,
+    pub action: FinalAction,
+    /// The relay's reply to "." when the mail was sent (`relay_reply`).
+    pub relay_reply: Option<String>,
+    /// The history row written with the outcome, if it gets one: every
+    /// attempt that did not end in `sent` (DESIGN §8).
+    pub event: Option<Event>,
+}
+
+/// A row of a mail's history (`mail_event`) as the worker writes it; `at`
+/// is the database's clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub attempt: i32,
+    pub outcome: EventOutcome,
+    /// How far the attempt got ([`crate::smtp::Stage::key`]) or what stopped
+    /// it before the relay (`message`, `config`, `throttle`, `queue`).
+    pub stage: Option<&'static str>,
+    pub smtp_code: Option<u16>,
+    /// The relay's reply or the error; `None`: the outcome's `last_error`.
+    pub detail: Option<String>,
+}
+
+/// What a history row records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventOutcome {
+    /// A failed try, to be tried again.
+    Retry,
+    Failed,
+    /// The relay may have it (`unknown`).
+    Unknown,
+    /// Put off without spending the try (relay-down outcome of this row
+    /// alone, a throttled domain, no sender configured).
+    Deferred,
+    /// The relay was down: back to queued, the try refunded.
+    Released,
+    /// The lock went stale: the worker stopped during the try.
+    Stale,
+    /// An operator's `tablemail retry`.
+    Retried,
+    /// An operator's `tablemail cancel`.
+    Cancelled,
+}
+
+impl EventOutcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EventOutcome::Retry => "retry",
+            EventOutcome::Failed => "failed",
+            EventOutcome::Unknown => "unknown",
+            EventOutcome::Deferred => "deferred",
+            EventOutcome::Released => "released",
+            EventOutcome::Stale => "stale",
+            EventOutcome::Retried => "retried",
+            EventOutcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// What becomes of a claimed row. Every variant clears the lock.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FinalAction {
+    /// `sent`.
+    Sent,
+    /// Back to `queued`, `send_at = now() + delay`, the attempt stays spent.
+    /// `relay_down`: the failure was a relay-down outcome past
+    /// `worker.relay_down_limit` (the row's count goes on).
+    Retry {
+        delay: Duration,
+        error: String,
+        relay_down: bool,
+    },
+    /// `failed` for good.
+    Failed { error: String, relay_down: bool },
+    /// `unknown`: the relay may have the mail; an operator decides.
+    Unknown { error: String },
+    /// Back to `queued` as it was, the attempt refunded: never tried (relay
+    /// unavailable, shutdown before ".").
+    Release,
+    /// Back to `queued` with the attempt refunded, but later:
+    /// `send_at = now() + delay`, `last_error` says why. `counted`: a
+    /// relay-down outcome that only this row drew (`relay_down_count + 1`).
+    Defer {
+        delay: Duration,
+        error: String,
+        counted: bool,
+    },
+}
+
+/// What happens to `relay_down_count`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CountWrite {
+    Reset = 0,
+    Increment = 1,
+    Keep = 2,
+}
+
+/// The columns a finalize writes, the same on every backend.
+#[derive(Debug, Clone, Copy)]
+pub struct FinalColumns<'a> {
+    pub status: &'static str,
+    /// `send_at = now() + delay_ms`; negative: `send_at` stays.
+    pub delay_ms: i64,
+    /// New `last_error`; `None` keeps the old one.
+    pub error: Option<&'a str>,
+    /// Give the attempt back.
+    pub refund: bool,
+    /// `processed_at = now()`.
+    pub processed: bool,
+    pub relay_down: CountWrite,
+}
+
+impl FinalAction {
+    pub fn columns(&self) -> FinalColumns<'_> {
+        let spent = |relay_down: bool| {
+            if relay_down {
+                CountWrite::Increment
+            } else {
+                CountWrite::Reset
+            }
+        };
+        let (status, delay_ms, error, refund, processed, relay_down) = match self {
+            FinalAction::Sent => ("sent", -1, None, false, true, CountWrite::Reset),
+            FinalAction::Retry {
+                delay,
+                error,
+                relay_down,
+            } => (
+                "queued",
+                shared::millis(*delay),
+                Some(error.as_str()),
+                false,
+                true,
+                spent(*relay_down),
+            ),
+            FinalAction::Failed { error, relay_down } => (
+                "failed",
+                -1,
+                Some(error.as_str()),
+                false,
+                true,
+                spent(*relay_down),
+            ),
+            FinalAction::Unknown { error } => (
+                "unknown",
+                -1,
+                Some(error.as_str()),
+                false,
+                true,
+                CountWrite::Reset,
+            ),
+            FinalAction::Release => ("queued", -1, None, true, false, CountWrite::Keep),
+            FinalAction::Defer {
+                delay,
+                error,
+                counted,
+            } => (
+                "queued",
+                shared::millis(*delay),
+                Some(error.as_str()),
+                true,
+                true,
+                if *counted {
+                    CountWrite::Increment
+                } else {
+                    CountWrite::Keep
+                },
+            ),
+        };
+        FinalColumns {
+            status,
+            delay_ms,
+            error,
+            refund,
+            processed,
+            relay_down,
+        }
+    }
+}
+
+/// The history row a [`Finalize`] writes, as the backends bind it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EventColumns<'a> {
+    pub attempt: i32,
+    pub outcome: &'static str,
+    pub stage: Option<&'static str>,
+    pub smtp_code: Option<i32>,
+    pub detail: Option<&'a str>,
+}
+
+impl Finalize {
+    /// Its history row, if it gets one; the detail defaults to the new
+    /// `last_error`.
+    pub(crate) fn event_columns(&self) -> Option<EventColumns<'_>> {
+        let event = self.event.as_ref()?;
+        Some(EventColumns {
+            attempt: event.attempt,
+            outcome: event.outcome.as_str(),
+            stage: event.stage,
+            smtp_code: event.smtp_code.map(i32::from),
+            detail: event.detail.as_deref().or(self.action.columns().error),
+        })
+    }
+}
+
+/// A row that `release_stale_locks` took back from a dead or stuck worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StaleRow {
+    pub id: i64,
+    /// `true`: back to `queued`; `false`: no attempt remained, now `failed`.
+    pub requeued: bool,
+}

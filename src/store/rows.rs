@@ -1,0 +1,637 @@
+//! Rows in and out of the databases, written once: decoding rows by column
+//! name ([`sqlx::FromRow`] for each record), the statements built at run time
+//! (the mail list's filters, a lookup, the INSERT of a new mail and its
+//! attachments), and batches encoded as JSON for the databases that take them
+//! that way.
+
+use chrono::{DateTime, Utc};
+use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, FromRow, Row, Type};
+
+use super::{
+    Attachment, AttachmentInfo, BatchLock, DaemonRow, Enqueued, EventRow, FailureGroup,
+    MailContent, MailFilter, MailLookup, MailRecord, MailSizes, MailSummary, MinuteCount, NewMail,
+    QueuedMail, RecentFailure, StaleRow, StatusCount,
+};
+
+/// A value every statement here can bind on `DB`.
+pub(crate) trait Bind<DB: Database>: for<'q> Encode<'q, DB> + Type<DB> {}
+
+impl<DB: Database, T> Bind<DB> for T where T: for<'q> Encode<'q, DB> + Type<DB> {}
+
+/// Implements [`sqlx::FromRow`] for a struct whose fields are columns of the
+/// same names, on every backend.
+macro_rules! from_row {
+    ($ty:ident { $($field:ident),* $(,)? }) => {
+        from_row!($ty, |row| Ok($ty { $($field: row.try_get(stringify!($field))?),* }));
+    };
+    ($ty:ident, |$row:ident| $body:expr) => {
+        impl<'r, R> sqlx::FromRow<'r, R> for $ty
+        where
+            R: Row,
+            &'r str: ColumnIndex<R>,
+            i64: Decode<'r, R::Database> + Type<R::Database>,
+            i32: Decode<'r, R::Database> + Type<R::Database>,
+            bool: Decode<'r, R::Database> + Type<R::Database>,
+            String: Decode<'r, R::Database> + Type<R::Database>,
+            Vec<u8>: Decode<'r, R::Database> + Type<R::Database>,
+            DateTime<Utc>: Decode<'r, R::Database> + Type<R::Database>,
+        {
+            fn from_row($row: &'r R) -> Result<Self, sqlx::Error> {
+                $body
+            }
+        }
+    };
+}
+
+from_row!(StatusCount { status, count });
+from_row!(RecentFailure {
+    id,
+    status,
+    processed_at,
+    last_error
+});
+from_row!(StaleRow { id, requeued });
+from_row!(MailContent {
+    from_name,
+    from_address,
+    to_address,
+    cc,
+    bcc,
+    reply_to,
+    subject,
+    body,
+    body_html,
+    headers
+});
+from_row!(Attachment {
+    filename,
+    content_type,
+    content,
+    content_id
+});
+from_row!(AttachmentInfo {
+    filename,
+    content_type,
+    size,
+    content_id
+});
+from_row!(EventRow {
+    at,
+    attempt,
+    outcome,
+    stage,
+    smtp_code,
+    detail
+});
+from_row!(FailureGroup {
+    outcome,
+    stage,
+    smtp_code,
+    count,
+    example
+});
+from_row!(DaemonRow {
+    id,
+    host,
+    pid,
+    version,
+    started_at,
+    last_seen,
+    in_flight,
+    sent,
+    silent
+});
+from_row!(MinuteCount {
+    minute,
+    sent,
+    failed
+});
+
+// A mail's row, content included; `find_mail` drops the content unless it
+// was asked for. Attachments and history are read by their own statements.
+from_row!(MailRecord, |row| Ok(MailRecord {
+    id: row.try_get("id")?,
+    status: row.try_get("status")?,
+    attempts: row.try_get("attempts")?,
+    attempts_remaining: row.try_get("attempts_remaining")?,
+    priority: row.try_get("priority")?,
+    created_at: row.try_get("created_at")?,
+    send_at: row.try_get("send_at")?,
+    processed_at: row.try_get("processed_at")?,
+    retried_at: row.try_get("retried_at")?,
+    message_id: row.try_get("message_id")?,
+    dedupe_key: row.try_get("dedupe_key")?,
+    last_error: row.try_get("last_error")?,
+    relay_reply: row.try_get("relay_reply")?,
+    subject: row.try_get("subject")?,
+    content: Some(MailContent::from_row(row)?),
+    attachments: Vec::new(),
+    events: Vec::new(),
+}));
+
+/// A line of the mail list as the database returns it: the recipients are
+/// reduced to their domains before they leave the store.
+pub(crate) struct SummaryRow {
+    id: i64,
+    status: String,
+    priority: i32,
+    attempts: i32,
+    created_at: DateTime<Utc>,
+    send_at: DateTime<Utc>,
+    processed_at: Option<DateTime<Utc>>,
+    to_address: String,
+    cc: Option<String>,
+    bcc: Option<String>,
+    subject: String,
+    last_error: Option<String>,
+}
+
+from_row!(SummaryRow {
+    id,
+    status,
+    priority,
+    attempts,
+    created_at,
+    send_at,
+    processed_at,
+    to_address,
+    cc,
+    bcc,
+    subject,
+    last_error
+});
+
+impl From<SummaryRow> for MailSummary {
+    fn from(r: SummaryRow) -> Self {
+        let lists = [
+            Some(r.to_address.as_str()),
+            r.cc.as_deref(),
+            r.bcc.as_deref(),
+        ];
+        MailSummary {
+            id: r.id,
+            status: r.status,
+            priority: r.priority,
+            attempts: r.attempts,
+            created_at: r.created_at,
+            send_at: r.send_at,
+            processed_at: r.processed_at,
+            domains: recipient_domains(lists.into_iter().flatten()),
+            subject: r.subject,
+            last_error: r.last_error,
+        }
+    }
+}
+
+/// The distinct domains of comma-separated address lists, sorted: what may
+/// be shown of recipients without asking.
+pub(crate) fn recipient_domains<'a>(lists: impl Iterator<Item = &'a str>) -> String {
+    let mut domains: Vec<String> = lists
+        .flat_map(|list| list.split(','))
+        .filter_map(|entry| {
+            let (_, domain) = entry.rsplit_once('@')?;
+            let domain: String = domain
+                .chars()
+                .take_while(|c| !matches!(c, '>' | '"' | ' ' | ')' | '('))
+                .collect();
+            (!domain.is_empty()).then(|| domain.to_lowercase())
+        })
+        .collect();
+    domains.sort();
+    domains.dedup();
+    domains.join(",")
+}
+
+/// Where the WHERE of a mail list comes from: conditions and their values.
+pub(crate) fn list_conditions(
+    filter: &MailFilter,
+    p: fn(usize) -> String,
+) -> (String, Vec<ListParam>) {
+    let mut conditions = Vec::new();
+    let mut params = Vec::new();
+    let mut add = |sql: &dyn Fn(&dyn Fn() -> String) -> String, param: Vec<ListParam>| {
+        let start = params.len();
+        let next = std::cell::Cell::new(start);
+        let mark = || {
+            next.set(next.get() + 1);
+            p(next.get())
+        };
+        conditions.push(sql(&mark));
+        params.extend(param);
+    };
+    if let Some(status) = &filter.status {
+        add(
+            &|m| format!("status = {}", m()),
+            vec![ListParam::Text(status.clone())],
+        );
+    }
+    if let Some(domain) = &filter.domain {
+        let pattern = format!("%@{}%", domain.to_lowercase());
+        add(
+            &|m| {
+                format!(
+                    "(LOWER(to_address) LIKE {} OR LOWER(cc) LIKE {} OR LOWER(bcc) LIKE {})",
+                    m(),
+                    m(),
+                    m()
+                )
+            },
+            vec![
+                ListParam::Text(pattern.clone()),
+                ListParam::Text(pattern.clone()),
+                ListParam::Text(pattern),
+            ],
+        );
+    }
+    if let Some(id) = filter.id {
+        add(&|m| format!("id = {}", m()), vec![ListParam::Int(id)]);
+    }
+    if let Some(message_id) = &filter.message_id {
+        match MailLookup::assigned_id(message_id) {
+            Some(id) => add(
+                &|m| format!("id = {} AND message_id = {}", m(), m()),
+                vec![ListParam::Int(id), ListParam::Text(message_id.clone())],
+            ),
+            None => add(
+                &|m| format!("message_id = {}", m()),
+                vec![ListParam::Text(message_id.clone())],
+            ),
+        }
+    }
+    if let Some(key) = &filter.dedupe_key {
+        add(
+            &|m| format!("dedupe_key = {}", m()),
+            vec![ListParam::Text(key.clone())],
+        );
+    }
+    if let Some(before) = filter.before_id {
+        add(&|m| format!("id < {}", m()), vec![ListParam::Int(before)]);
+    }
+    let sql = if conditions.is_empty() {
+        String::new()
+    } else {
+        format!("WHERE {}", conditions.join(" AND "))
+    };
+    (sql, params)
+}
+
+/// A value bound into a statement built at run time.
+#[derive(Debug, Clone)]
+pub(crate) enum ListParam {
+    Text(String),
+    Int(i64),
+}
+
+pub(crate) fn bind_all<'q, DB>(
+    mut query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    params: Vec<ListParam>,
+) -> sqlx::query::Query<'q, DB, DB::Arguments>
+where
+    DB: Database,
+    i64: Bind<DB>,
+    String: Bind<DB>,
+{
+    for param in params {
+        query = match param {
+            ListParam::Text(t) => query.bind(t),
+            ListParam::Int(i) => query.bind(i),
+        };
+    }
+    query
+}
+
+/// How `find_mail` finds its row: the condition, and its values.
+pub(crate) fn lookup_condition(
+    lookup: &MailLookup,
+    p: fn(usize) -> String,
+) -> (String, Vec<ListParam>) {
+    match lookup {
+        MailLookup::Id(id) => (format!("WHERE id = {}", p(1)), vec![ListParam::Int(*id)]),
+        MailLookup::MessageId(mid) => match MailLookup::assigned_id(mid) {
+            Some(id) => (
+                format!("WHERE id = {} AND message_id = {}", p(1), p(2)),
+                vec![ListParam::Int(id), ListParam::Text(mid.clone())],
+            ),
+            None => (
+                format!("WHERE message_id = {}", p(1)),
+                vec![ListParam::Text(mid.clone())],
+            ),
+        },
+        MailLookup::DedupeKey(key) => (
+            format!("WHERE dedupe_key = {}", p(1)),
+            vec![ListParam::Text(key.clone())],
+        ),
+    }
+}
+
+/// The row count of a statement's result: every backend's result type has
+/// one, but `sqlx::Database` does not promise it.
+pub(crate) trait RowsAffected {
+    fn count(&self) -> u64;
+}
+
+impl RowsAffected for sqlx::postgres::PgQueryResult {
+    fn count(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+impl RowsAffected for sqlx::sqlite::SqliteQueryResult {
+    fn count(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+impl RowsAffected for sqlx::mysql::MySqlQueryResult {
+    fn count(&self) -> u64 {
+        self.rows_affected()
+    }
+}
+
+/// A value bound into an INSERT.
+#[derive(Debug, Clone)]
+pub(crate) enum Param<'a> {
+    Text(&'a str),
+    Int(i32),
+    Time(DateTime<Utc>),
+    Json(String),
+}
+
+/// The columns a new mail sets; absent ones take the table's defaults.
+pub(crate) fn insert_columns(mail: &NewMail) -> Vec<(&'static str, Param<'_>)> {
+    let mut cols = vec![("to_address", Param::Text(&mail.to_address))];
+    let texts = [
+        ("subject", &mail.subject),
+        ("body", &mail.body),
+        ("body_html", &mail.body_html),
+        ("cc", &mail.cc),
+        ("bcc", &mail.bcc),
+        ("reply_to", &mail.reply_to),
+        ("from_name", &mail.from_name),
+        ("from_address", &mail.from_address),
+        ("dedupe_key", &mail.dedupe_key),
+        ("message_id", &mail.message_id),
+    ];
+    for (name, value) in texts {
+        if let Some(v) = value {
+            cols.push((name, Param::Text(v)));
+        }
+    }
+    if let Some(p) = mail.priority {
+        cols.push(("priority", Param::Int(p)));
+    }
+    if let Some(a) = mail.attempts_remaining {
+        cols.push(("attempts_remaining", Param::Int(a)));
+    }
+    if let Some(t) = mail.send_at {
+        cols.push(("send_at", Param::Time(t)));
+    }
+    if let Some(h) = &mail.headers {
+        cols.push((
+            "headers",
+            Param::Json(serde_json::Value::Object(h.clone()).to_string()),
+        ));
+    }
+    cols
+}
+
+/// `INSERT INTO mail_queue (…) VALUES (…)<tail>` for these columns, each
+/// value written by `placeholder(position from 1, value)`, and the query with
+/// the values bound in order.
+pub(crate) fn insert_query<'a, DB>(
+    cols: Vec<(&'static str, Param<'a>)>,
+    placeholder: impl Fn(usize, &Param<'_>) -> String,
+    tail: &str,
+) -> sqlx::query::Query<'a, DB, DB::Arguments>
+where
+    DB: Database,
+    i32: Bind<DB>,
+    DateTime<Utc>: Bind<DB>,
+    String: Bind<DB>,
+{
+    let names: Vec<&str> = cols.iter().map(|(name, _)| *name).collect();
+    let marks: Vec<String> = cols
+        .iter()
+        .enumerate()
+        .map(|(i, (_, p))| placeholder(i + 1, p))
+        .collect();
+    let sql = format!(
+        "INSERT INTO mail_queue ({}) VALUES ({}){tail}",
+        names.join(", "),
+        marks.join(", ")
+    );
+    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+    for (_, param) in cols {
+        query = match param {
+            // Owned: a borrowed `&str` here would tie the generic callers to
+            // `'static` (a limit of higher-ranked bounds in async code).
+            Param::Text(t) => query.bind(t.to_string()),
+            Param::Int(i) => query.bind(i),
+            Param::Time(t) => query.bind(t),
+            Param::Json(j) => query.bind(j),
+        };
+    }
+    query
+}
+
+/// `enqueue` where the database has `ON CONFLICT (dedupe_key) DO NOTHING
+/// RETURNING id` (PostgreSQL, SQLite): each mail and its attachments
+/// inserted in turn, in one transaction begun with `begin`; a taken dedupe
+/// key returns no row, and the existing row's id is looked up instead.
+pub(crate) async fn insert_returning<DB>(
+    conn: &mut DB::Connection,
+    begin: &'static str,
+    mails: Vec<NewMail>,
+    placeholder: impl Fn(usize, &Param<'_>) -> String,
+    queries: &'static super::shared::Queries,
+) -> Result<Vec<Enqueued>, sqlx::Error>
+where
+    DB: Database,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    Option<String>: Bind<DB>,
+    i64: Bind<DB>,
+    Vec<u8>: Bind<DB>,
+    i32: Bind<DB>,
+    DateTime<Utc>: Bind<DB>,
+    String: Bind<DB>,
+    for<'r> i64: Decode<'r, DB> + Type<DB>,
+    usize: ColumnIndex<DB::Row>,
+{
+    let mut tx = sqlx::Connection::begin_with(conn, sqlx::AssertSqlSafe(begin)).await?;
+    let mut out = Vec::with_capacity(mails.len());
+    for mail in &mails {
+        let query = insert_query::<DB>(
+            insert_columns(mail),
+            &placeholder,
+            " ON CONFLICT (dedupe_key) DO NOTHING RETURNING id",
+        );
+        let enqueued = match query.fetch_optional(&mut *tx).await? {
+            Some(row) => {
+                let id = row.try_get(0)?;
+                insert_attachments::<DB>(&mut tx, queries.insert_attachment, id, &mail.attachments)
+                    .await?;
+                Enqueued {
+                    id,
+                    duplicate: false,
+                }
+            }
+            None => Enqueued {
+                id: sqlx::query_scalar(queries.existing_dedupe)
+                    .bind(mail.dedupe_key.clone())
+                    .fetch_one(&mut *tx)
+                    .await?,
+                duplicate: true,
+            },
+        };
+        out.push(enqueued);
+    }
+    tx.commit().await?;
+    Ok(out)
+}
+
+/// A claimed row as the claim of every backend returns it: the row's
+/// counters, its sizes, `inline`, and the text columns (NULL unless
+/// `inline`). The batch's lock is the claim's, not a column.
+pub(crate) struct ClaimedRow(pub(crate) QueuedMail);
+
+from_row!(ClaimedRow, |row| {
+    let size = |column: &'static str| -> Result<u64, sqlx::Error> {
+        Ok(row.try_get::<Option<i64>, _>(column)?.unwrap_or(0).max(0) as u64)
+    };
+    let inline: bool = row.try_get("inline")?;
+    Ok(ClaimedRow(QueuedMail {
+        id: row.try_get("id")?,
+        lock: BatchLock(uuid::Uuid::nil()),
+        priority: row.try_get("priority")?,
+        attempts: row.try_get("attempts")?,
+        attempts_remaining: row.try_get("attempts_remaining")?,
+        relay_down_count: row.try_get("relay_down_count")?,
+        message_id: row.try_get("message_id")?,
+        expired: row.try_get("expired")?,
+        sizes: MailSizes {
+            content: size("content_bytes")?,
+            bodies: size("body_bytes")?,
+            attachments: size("attachment_count")? as u32,
+            attachment_bytes: size("attachment_bytes")?,
+        },
+        content: if inline {
+            Some(MailContent::from_row(row)?)
+        } else {
+            None
+        },
+    }))
+});
+
+/// Decodes the rows of a claim under `lock`.
+pub(crate) fn claimed<'r, R>(rows: &'r [R], lock: BatchLock) -> Result<Vec<QueuedMail>, sqlx::Error>
+where
+    R: Row,
+    ClaimedRow: FromRow<'r, R>,
+{
+    rows.iter()
+        .map(|row| {
+            let ClaimedRow(mut mail) = ClaimedRow::from_row(row)?;
+            mail.lock = lock;
+            Ok(mail)
+        })
+        .collect()
+}
+
+/// Outcomes as one JSON array, for backends that take a batch as JSON
+/// (SQLite's `json_each`, MySQL's `JSON_TABLE`), with their history rows
+/// (`ev_*` fields, absent where none is written).
+pub(crate) fn finalize_json(writes: &[super::Finalize]) -> String {
+    let items: Vec<serde_json::Value> = writes
+        .iter()
+        .map(|w| {
+            let c = w.action.columns();
+            let mut item = serde_json::json!({
+                "id": w.id,
+                "lock": w.lock.to_string(),
+                "status": c.status,
+                "delay_ms": c.delay_ms,
+                "error": c.error,
+                "refund": c.refund as i32,
+                "processed": c.processed as i32,
+                "relay_down": c.relay_down as i32,
+                "relay_reply": w.relay_reply,
+            });
+            if let Some(e) = w.event_columns() {
+                // Absent rather than null where there is nothing: JSON_TABLE
+                // reads a missing path as SQL NULL on every MySQL and MariaDB.
+                let fields = item.as_object_mut().expect("an object");
+                fields.insert("ev_attempt".into(), e.attempt.into());
+                fields.insert("ev_outcome".into(), e.outcome.into());
+                if let Some(stage) = e.stage {
+                    fields.insert("ev_stage".into(), stage.into());
+                }
+                if let Some(code) = e.smtp_code {
+                    fields.insert("ev_code".into(), code.into());
+                }
+                if let Some(detail) = e.detail {
+                    fields.insert("ev_detail".into(), detail.into());
+                }
+            }
+            item
+        })
+        .collect();
+    serde_json::Value::Array(items).to_string()
+}
+
+/// Inserts a new mail's attachments, in order, on `conn` (the transaction
+/// that inserted the mail).
+pub(crate) async fn insert_attachments<DB>(
+    conn: &mut DB::Connection,
+    sql: &'static str,
+    mail_id: i64,
+    attachments: &[super::NewAttachment],
+) -> Result<(), sqlx::Error>
+where
+    DB: Database,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    i64: Bind<DB>,
+    String: Bind<DB>,
+    Option<String>: Bind<DB>,
+    Vec<u8>: Bind<DB>,
+{
+    for a in attachments {
+        let content_type = a
+            .content_type
+            .clone()
+            .unwrap_or_else(|| super::DEFAULT_CONTENT_TYPE.to_string());
+        sqlx::query(sql)
+            .bind(mail_id)
+            .bind(a.filename.clone())
+            .bind(content_type)
+            .bind(a.content.clone())
+            .bind(a.content_id.clone())
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
+}
+
+/// `(id, lock)` pairs as one JSON array, sorted by id (the order in which
+/// rows are locked).
+pub(crate) fn held_json(held: &[(i64, BatchLock)]) -> String {
+    let mut held = held.to_vec();
+    held.sort_unstable_by_key(|(id, _)| *id);
+    let items: Vec<serde_json::Value> = held
+        .iter()
+        .map(|(id, lock)| serde_json::json!({"id": id, "lock": lock.to_string()}))
+        .collect();
+    serde_json::Value::Array(items).to_string()
+}
+
+/// Lock GUIDs as one JSON array of strings.
+pub(crate) fn locks_json(locks: &[BatchLock]) -> String {
+    serde_json::Value::Array(
+        locks
+            .iter()
+            .map(|l| serde_json::Value::String(l.to_string()))
+            .collect(),
+    )
+    .to_string()
+}

@@ -1,0 +1,397 @@
+//! The one [`Store`], written once over any [`Dialect`]: every operation
+//! runs under the deadline on a pooled connection; the claim, the group
+//! commit, lock renewal and release and the insert are the dialect's, the rest
+//! binds the dialect's SQL ([`Queries`](super::shared::Queries)) here. Over
+//! 500 lines: every operation of the store but the five each database does
+//! its own way, read in one place.
+
+use std::{sync::Arc, time::Duration};
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use sqlx::{migrate::Migrate, ColumnIndex, Database, Decode, Executor, FromRow, Row, Type};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    dialect::{Dialect, SqlStore},
+    rows::{bind_all, list_conditions, lookup_condition, Bind, RowsAffected, SummaryRow},
+    Attachment, Backend, BatchLock, Claim, DaemonBeat, DaemonRow, Enqueued, EventOutcome,
+    FailureGroup, Finalize, Finished, MailContent, MailFilter, MailLookup, MailRecord, MailSummary,
+    Maintenance, MinuteCount, NewMail, QueueStats, QueuedMail, Result, RetrySelection, StaleRow,
+    Store, SILENT_AFTER_SECONDS,
+};
+
+#[async_trait]
+impl<D: Dialect> Store for SqlStore<D>
+where
+    <D::DB as Database>::Connection: Migrate,
+    <D::DB as Database>::QueryResult: RowsAffected,
+    <D::DB as Database>::Arguments: sqlx::IntoArguments<D::DB>,
+    for<'c> &'c mut <D::DB as Database>::Connection: Executor<'c, Database = D::DB>,
+    for<'r> &'r str: ColumnIndex<<D::DB as Database>::Row>,
+    i64: Bind<D::DB>,
+    i32: Bind<D::DB>,
+    Option<i64>: Bind<D::DB>,
+    String: Bind<D::DB>,
+    Option<String>: Bind<D::DB>,
+    Vec<u8>: Bind<D::DB>,
+    for<'r> i64: Decode<'r, D::DB>,
+    for<'r> i32: Decode<'r, D::DB>,
+    for<'r> bool: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> f64: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> String: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> Vec<u8>: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> DateTime<Utc>: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> Option<String>: Decode<'r, D::DB>,
+{
+    fn backend(&self) -> Backend {
+        D::BACKEND
+    }
+
+    async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
+        let binds = claim.binds(D::UNIT);
+        self.shared.run(move |c| Box::pin(D::claim(c, binds))).await
+    }
+
+    async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
+        if writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let writes = writes.to_vec();
+        self.shared
+            .run(move |c| Box::pin(D::finalize(c, writes)))
+            .await
+    }
+
+    async fn renew_locks(&self, held: &[(i64, BatchLock)]) -> Result<u64> {
+        if held.is_empty() {
+            return Ok(0);
+        }
+        let mut held = held.to_vec();
+        held.sort_unstable_by_key(|(id, _)| *id);
+        self.shared
+            .run(move |c| Box::pin(D::renew_locks(c, held)))
+            .await
+    }
+
+    async fn release_stale_locks(
+        &self,
+        older_than: Duration,
+        spare: &[BatchLock],
+    ) -> Result<Vec<StaleRow>> {
+        let (older_than, spare) = ((D::UNIT)(older_than), spare.to_vec());
+        self.shared
+            .run(move |c| Box::pin(D::release_stale_locks(c, older_than, spare)))
+            .await
+    }
+
+    async fn enqueue(&self, mails: &[NewMail]) -> Result<Vec<Enqueued>> {
+        let mails = mails.to_vec();
+        self.shared
+            .run(move |c| Box::pin(D::enqueue(c, mails)))
+            .await
+    }
+
+    async fn maintain(&self) -> Result<Option<Maintenance>> {
+        self.dialect.maintain(&self.shared).await
+    }
+
+    fn spawn_wakeup_listener(
+        &self,
+        wake: Arc<Notify>,
+        cancel: CancellationToken,
+    ) -> Option<&'static str> {
+        self.dialect
+            .spawn_wakeup_listener(&self.shared, wake, cancel)
+    }
+
+    async fn migrate(&self) -> Result<()> {
+        // No deadline: a migration may rewrite a large table; sqlx holds a
+        // lock so that daemons starting together apply it once.
+        self.shared.migrator.run(&self.shared.pool).await?;
+        Ok(())
+    }
+
+    async fn ping(&self) -> Result<()> {
+        self.shared
+            .run(|c| Box::pin(async move { c.execute("SELECT 1").await.map(|_| ()) }))
+            .await
+    }
+
+    async fn load_content(&self, id: i64, lock: BatchLock) -> Result<Option<MailContent>> {
+        let sql = self.shared.queries.load_content;
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    sqlx::query_as(sql)
+                        .bind(id)
+                        .bind(lock.to_string())
+                        .fetch_optional(&mut *c)
+                        .await
+                })
+            })
+            .await
+    }
+
+    async fn load_attachments(&self, id: i64) -> Result<Vec<Attachment>> {
+        let sql = self.shared.queries.load_attachments;
+        self.shared
+            .run(|c| Box::pin(async move { sqlx::query_as(sql).bind(id).fetch_all(&mut *c).await }))
+            .await
+    }
+
+    async fn stats(&self, lock_timeout: Duration) -> Result<QueueStats> {
+        let (q, lock_timeout) = (self.shared.queries, (self.shared.unit)(lock_timeout));
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let counts = sqlx::query_as(q.status_counts).fetch_all(&mut *c).await?;
+                    let ages = sqlx::query(q.status_ages)
+                        .bind(lock_timeout)
+                        .fetch_one(&mut *c)
+                        .await?;
+                    let rates = sqlx::query(q.status_rates).fetch_one(&mut *c).await?;
+                    let recent_failures =
+                        sqlx::query_as(q.recent_failures).fetch_all(&mut *c).await?;
+                    Ok(QueueStats {
+                        counts,
+                        oldest_due_age_seconds: ages.try_get("oldest_due")?,
+                        stale_locks: ages.try_get("stale")?,
+                        sent_last_1m: rates.try_get("sent_1m")?,
+                        sent_last_5m: rates.try_get("sent_5m")?,
+                        sent_last_15m: rates.try_get("sent_15m")?,
+                        recent_failures,
+                    })
+                })
+            })
+            .await
+    }
+
+    async fn failure_groups(&self, within: Duration) -> Result<Vec<FailureGroup>> {
+        let (sql, within) = (
+            self.shared.queries.failure_groups,
+            (self.shared.unit)(within),
+        );
+        self.shared
+            .run(|c| {
+                Box::pin(async move { sqlx::query_as(sql).bind(within).fetch_all(&mut *c).await })
+            })
+            .await
+    }
+
+    async fn retry(&self, which: RetrySelection, attempts: i32) -> Result<u64> {
+        let (q, begin) = (self.shared.queries, self.shared.begin_write);
+        let done = self
+            .shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    // The history first, then the rows it speaks of, in one
+                    // transaction.
+                    sqlx::query(q.retry_events)
+                        .bind(EventOutcome::Retried.as_str().to_string())
+                        .bind(format!(
+                            "queued again by tablemail retry with {attempts} attempts"
+                        ))
+                        .bind(which.id())
+                        .execute(&mut *tx)
+                        .await?;
+                    let done = sqlx::query(q.retry)
+                        .bind(attempts)
+                        .bind(which.id())
+                        .execute(&mut *tx)
+                        .await?;
+                    tx.commit().await?;
+                    Ok(done.count())
+                })
+            })
+            .await?;
+        if done > 0 {
+            self.shared.run(|c| Box::pin(D::rows_due_now(c))).await?;
+        }
+        Ok(done)
+    }
+
+    async fn cancel(&self, id: i64) -> Result<u64> {
+        let (q, begin) = (self.shared.queries, self.shared.begin_write);
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    sqlx::query(q.cancel_event)
+                        .bind(EventOutcome::Cancelled.as_str().to_string())
+                        .bind("cancelled by tablemail cancel".to_string())
+                        .bind(id)
+                        .execute(&mut *tx)
+                        .await?;
+                    let done = sqlx::query(q.cancel).bind(id).execute(&mut *tx).await?;
+                    tx.commit().await?;
+                    Ok(done.count())
+                })
+            })
+            .await
+    }
+
+    async fn purge(&self, sent: Duration, failed: Duration, limit: usize) -> Result<u64> {
+        let mut deleted = 0;
+        for (kind, age) in [
+            (Finished::Sent, sent),
+            (Finished::FailedOrCancelled, failed),
+        ] {
+            let left = limit as u64 - deleted;
+            if left == 0 {
+                break;
+            }
+            let sql = match kind {
+                Finished::Sent => self.shared.queries.purge_sent,
+                Finished::FailedOrCancelled => self.shared.queries.purge_failed,
+            };
+            let older_than = (self.shared.unit)(age);
+            deleted += self
+                .shared
+                .run(|c| {
+                    Box::pin(async move {
+                        let done = sqlx::query(sql)
+                            .bind(older_than)
+                            .bind(left as i64)
+                            .execute(&mut *c)
+                            .await?;
+                        Ok(done.count())
+                    })
+                })
+                .await?;
+        }
+        Ok(deleted)
+    }
+
+    async fn find_mail(&self, lookup: &MailLookup, content: bool) -> Result<Option<MailRecord>> {
+        let q = self.shared.queries;
+        let (condition, params) = lookup_condition(lookup, q.placeholder);
+        let sql = format!("{}{condition}", q.mail_columns);
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let query = bind_all(sqlx::query(sqlx::AssertSqlSafe(sql)), params);
+                    let record = query
+                        .try_map(|r: <D::DB as Database>::Row| MailRecord::from_row(&r))
+                        .fetch_optional(&mut *c)
+                        .await?;
+                    let Some(mut record) = record else {
+                        return Ok(None);
+                    };
+                    if !content {
+                        record.content = None;
+                    }
+                    record.attachments = sqlx::query_as(q.attachments_of)
+                        .bind(record.id)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    record.events = sqlx::query_as(q.events_of)
+                        .bind(record.id)
+                        .fetch_all(&mut *c)
+                        .await?;
+                    Ok(Some(record))
+                })
+            })
+            .await
+    }
+
+    async fn list_mails(&self, filter: &MailFilter, limit: usize) -> Result<Vec<MailSummary>> {
+        let q = self.shared.queries;
+        let (condition, params) = list_conditions(filter, q.placeholder);
+        let sql = format!(
+            "{}{condition} ORDER BY id DESC LIMIT {}",
+            q.summary_columns,
+            limit.min(1000)
+        );
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let query = bind_all(sqlx::query(sqlx::AssertSqlSafe(sql)), params);
+                    let rows = query
+                        .try_map(|r: <D::DB as Database>::Row| SummaryRow::from_row(&r))
+                        .fetch_all(&mut *c)
+                        .await?;
+                    Ok(rows.into_iter().map(MailSummary::from).collect())
+                })
+            })
+            .await
+    }
+
+    async fn heartbeat(&self, beat: &DaemonBeat) -> Result<()> {
+        let q = self.shared.queries;
+        let beat = beat.clone();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    sqlx::query(q.daemon_upsert)
+                        .bind(beat.id.to_string())
+                        .bind(beat.host)
+                        .bind(beat.pid)
+                        .bind(beat.version)
+                        .bind(beat.in_flight)
+                        .bind(beat.sent_total)
+                        .execute(&mut *c)
+                        .await?;
+                    if beat.sent_since > 0 || beat.failed_since > 0 {
+                        sqlx::query(q.minute_upsert)
+                            .bind(beat.id.to_string())
+                            .bind(beat.sent_since)
+                            .bind(beat.failed_since)
+                            .execute(&mut *c)
+                            .await?;
+                    }
+                    // Small tables (a row per daemon, a row per daemon-minute):
+                    // forgetting what is a day old costs next to nothing.
+                    sqlx::query(q.daemons_forget).execute(&mut *c).await?;
+                    sqlx::query(q.minutes_forget).execute(&mut *c).await?;
+                    Ok(())
+                })
+            })
+            .await
+    }
+
+    async fn daemon_stopped(&self, id: uuid::Uuid) -> Result<()> {
+        let sql = self.shared.queries.daemon_delete;
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    sqlx::query(sql)
+                        .bind(id.to_string())
+                        .execute(&mut *c)
+                        .await
+                        .map(|_| ())
+                })
+            })
+            .await
+    }
+
+    async fn daemons(&self) -> Result<Vec<DaemonRow>> {
+        let sql = self.shared.queries.daemons;
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    sqlx::query_as(sql)
+                        .bind(SILENT_AFTER_SECONDS)
+                        .fetch_all(&mut *c)
+                        .await
+                })
+            })
+            .await
+    }
+
+    async fn minutes(&self, minutes: u32) -> Result<Vec<MinuteCount>> {
+        let sql = self.shared.queries.minutes;
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    sqlx::query_as(sql)
+                        .bind(i64::from(minutes))
+                        .fetch_all(&mut *c)
+                        .await
+                })
+            })
+            .await
+    }
+}
