@@ -20,7 +20,7 @@
 //! - `dialect`: what each database does its own way.
 //! - `sql_store`: the one `Store`, written once over any dialect.
 //! - `shared`: the deadline on every call, a dialect's pool and SQL.
-//! - `rows`: decoding rows, encoding batches.
+//! - `rows`: decoding rows, encoding batches; `insert`: a new mail's INSERT.
 //! - `postgres`, `sqlite`, `mysql`: each database's SQL.
 
 use std::{fmt, sync::Arc, time::Duration};
@@ -33,6 +33,7 @@ mod claim;
 mod dialect;
 mod error;
 mod finalize;
+mod insert;
 mod migrations;
 mod mysql;
 mod new_mail;

@@ -16,11 +16,9 @@ use sqlx::{
 
 use super::{
     dialect::{Dialect, SqlStore},
+    insert::{insert_attachments, insert_columns, insert_query},
     migrations::MYSQL,
-    rows::{
-        self, finalize_json, held_json, insert_attachments, insert_columns, insert_query,
-        locks_json,
-    },
+    rows::{self, finalize_json, held_json, locks_json},
     shared::{self, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail,
     Result, StaleRow,

@@ -17,8 +17,9 @@ use uuid::Uuid;
 
 use super::{
     dialect::{Dialect, SqlStore},
+    insert::{self, Param},
     migrations::POSTGRES,
-    rows::{self, Param},
+    rows,
     shared::{self, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
     QueuedMail, Result, StaleRow, StoreError,
@@ -408,7 +409,7 @@ impl Dialect for Postgres {
             Param::Json(_) => format!("${i}::jsonb"),
             _ => format!("${i}"),
         };
-        rows::insert_returning::<sqlx::Postgres>(c, "BEGIN", mails, placeholder, &QUERIES).await
+        insert::insert_returning::<sqlx::Postgres>(c, "BEGIN", mails, placeholder, &QUERIES).await
     }
 
     /// The rows are due now: wake the daemons as an INSERT would.

@@ -1,9 +1,7 @@
 //! The one [`Store`], written once over any [`Dialect`]: every operation
 //! runs under the deadline on a pooled connection; the claim, the group
 //! commit, lock renewal and release and the insert are the dialect's, the rest
-//! binds the dialect's SQL ([`Queries`](super::shared::Queries)) here. Over
-//! 500 lines: every operation of the store but the five each database does
-//! its own way, read in one place.
+//! binds the dialect's SQL ([`Queries`](super::shared::Queries)) here.
 
 use std::{sync::Arc, time::Duration};
 

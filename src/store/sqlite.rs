@@ -18,8 +18,9 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     dialect::{Dialect, SqlStore},
+    insert::{self, Param},
     migrations::SQLITE,
-    rows::{self, finalize_json, held_json, locks_json, Param},
+    rows::{self, finalize_json, held_json, locks_json},
     shared::{self, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail,
     Result, StaleRow,
@@ -423,7 +424,7 @@ impl Dialect for Sqlite {
             Param::Time(_) => format!("strftime('%Y-%m-%d %H:%M:%f', ?{i})"),
             _ => format!("?{i}"),
         };
-        rows::insert_returning::<sqlx::Sqlite>(c, IMMEDIATE, mails, placeholder, &QUERIES).await
+        insert::insert_returning::<sqlx::Sqlite>(c, IMMEDIATE, mails, placeholder, &QUERIES).await
     }
 
     fn spawn_wakeup_listener(
