@@ -26,6 +26,7 @@ for_each_backend!(
     retry_cancel_and_purge,
     large_rows_are_claimed_without_their_content,
     attachments_are_loaded_in_order_and_go_with_their_mail,
+    errors_say_what_to_do,
 );
 
 fn claim(limit: usize) -> Claim<'static> {
@@ -698,4 +699,44 @@ async fn attachments_are_loaded_in_order_and_go_with_their_mail(db: TestDb) {
         0,
         "no attachment left behind"
     );
+}
+
+/// What goes wrong is typed by what to do about it: wait (unavailable),
+/// migrate (schema), look at the data (a refused write).
+async fn errors_say_what_to_do(db: TestDb) {
+    use tablemail::store::StoreError;
+    let mut zero = mail("a@example.com", "no attempt");
+    zero.attempts_remaining = Some(0);
+    let refused = db.store.enqueue(&[zero]).await.unwrap_err();
+    assert!(matches!(refused, StoreError::Conflict(_)), "{refused:?}");
+    assert_eq!(refused.summary(), "database refused the write");
+    db.exec("DROP TABLE mail_event").await;
+    let missing = db
+        .store
+        .failure_groups(Duration::from_secs(60))
+        .await
+        .unwrap_err();
+    assert!(matches!(missing, StoreError::Schema(_)), "{missing:?}");
+    assert!(
+        missing.to_string().contains("tablemail migrate"),
+        "{missing}"
+    );
+    let unreachable = match db.backend {
+        tablemail::store::Backend::Postgres => {
+            "postgres://postgres@127.0.0.1:1/nothing".to_string()
+        }
+        tablemail::store::Backend::Mysql => "mysql://root@127.0.0.1:1/nothing".to_string(),
+        tablemail::store::Backend::Sqlite => "sqlite:///nonexistent-directory/x.db".to_string(),
+    };
+    let mut options = tablemail::store::ConnectOptions::new(1);
+    options.statement_timeout = Duration::from_secs(2);
+    let store = tablemail::store::connect_with(&unreachable, options)
+        .await
+        .unwrap();
+    let down = store.ping().await.unwrap_err();
+    assert!(
+        matches!(down, StoreError::Unavailable(_) | StoreError::Timeout(_)),
+        "{down:?}"
+    );
+    assert_eq!(down.summary(), "database unavailable");
 }

@@ -26,7 +26,7 @@ async fn wait_for_database(store: &Arc<dyn Store>, cancel: &CancellationToken) -
                 failures += 1;
                 let pause =
                     retry::relay_pause(failures, retry::jitter()).min(Duration::from_secs(30));
-                tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "database unavailable");
+                tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "{}", e.summary());
                 tokio::select! {
                     _ = cancel.cancelled() => return false,
                     _ = tokio::time::sleep(pause) => {}

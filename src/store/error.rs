@@ -38,10 +38,15 @@ impl From<sqlx::Error> for StoreError {
             E::ColumnNotFound(_) => StoreError::Schema(e),
             E::Database(db) => {
                 let code = db.code().unwrap_or_default();
+                // SQLite: the file cannot be opened (a missing directory, no
+                // permission): nothing to run the statement on.
+                if code == "14" && message_is_cant_open(db.message()) {
+                    return StoreError::Unavailable(e);
+                }
                 let message = db.message();
                 if db.is_unique_violation() || db.is_check_violation() {
                     StoreError::Conflict(e)
-                } else if matches!(code.as_ref(), "42P01" | "42703" | "1146" | "1054")
+                } else if matches!(code.as_ref(), "42P01" | "42703" | "42S02" | "42S22")
                     || message.starts_with("no such table")
                     || message.starts_with("no such column")
                     || message.contains("has no column named")
@@ -60,6 +65,25 @@ impl From<sqlx::Error> for StoreError {
             _ => StoreError::Database(e),
         }
     }
+}
+
+impl StoreError {
+    /// The stable log message for this kind of failure (README, "Logs"): the
+    /// worker retries every kind, but an operator acts on each differently.
+    pub fn summary(&self) -> &'static str {
+        match self {
+            StoreError::Unavailable(_) | StoreError::Timeout(_) => "database unavailable",
+            StoreError::Schema(_) | StoreError::Migrate(_) => {
+                "database schema out of date: run tablemail migrate"
+            }
+            StoreError::Conflict(_) => "database refused the write",
+            StoreError::Database(_) | StoreError::Unsupported(_) => "database error",
+        }
+    }
+}
+
+fn message_is_cant_open(message: &str) -> bool {
+    message.contains("unable to open database file")
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;

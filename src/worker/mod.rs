@@ -339,7 +339,7 @@ impl Worker {
                     db_failures += 1;
                     let pause = retry::relay_pause(db_failures, retry::jitter())
                         .min(Duration::from_secs(30));
-                    tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "database unavailable");
+                    tracing::error!(error = %e, retry_in_ms = pause.as_millis() as u64, "{}", e.summary());
                     tokio::select! {
                         _ = cancel.cancelled() => return,
                         _ = tokio::time::sleep(pause) => {}

@@ -495,7 +495,7 @@ impl Worker {
                         let pause = retry::relay_pause(failures, retry::jitter())
                             .min(Duration::from_secs(10));
                         tracing::error!(error = %e, rows = group.len(), retry_in_ms = pause.as_millis() as u64,
-                            "database unavailable: outcome not written yet");
+                            "{}: outcome not written yet", e.summary());
                         tokio::select! {
                             _ = give_up.cancelled() => {
                                 // What is still waiting in the channel was
