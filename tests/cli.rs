@@ -433,15 +433,24 @@ async fn embedded_defaults_write_eml_files_and_wake_at_once() {
     let text = std::fs::read_to_string(&eml).unwrap();
     assert!(text.contains("From: tablemail@localhost\r\n"), "{text}");
 
-    let (code, out, _) = output(
-        tablemail()
-            .current_dir(dir.path())
-            .args(["status", "--json"]),
-    );
-    assert_eq!(code, 0);
-    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    // The .eml is written before the outcome is committed: wait for both.
+    let status = || {
+        let (code, out, err) = output(
+            tablemail()
+                .current_dir(dir.path())
+                .args(["status", "--json"]),
+        );
+        assert_eq!(code, 0, "{err}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    eventually(
+        "both mails written as sent",
+        Duration::from_secs(10),
+        || async { status()["counts"]["sent"] == 2 },
+    )
+    .await;
+    let status = status();
     assert_eq!(status["backend"], "sqlite");
-    assert_eq!(status["counts"]["sent"], 2);
     assert_eq!(status["relays"][0]["reachable"], true);
 
     daemon.signal("INT");

@@ -135,31 +135,44 @@ impl Worker {
     /// `status`'s rates and the console's chart). Its row goes when it stops.
     pub(super) async fn heartbeat(self: Arc<Self>, stop: CancellationToken) {
         const EVERY: Duration = Duration::from_secs(5);
-        let (mut sent_before, mut failed_before) = (0, 0);
+        let mut reported = (0, 0);
         loop {
-            let sent = self.metrics.count(Outcome::Sent);
-            let failed = self.metrics.count(Outcome::Failed);
-            let beat = DaemonBeat {
-                id: self.daemon_id,
-                host: self.message_id_domain.clone(),
-                pid: std::process::id() as i32,
-                version: env!("CARGO_PKG_VERSION").to_string(),
-                in_flight: self.held.len() as i32,
-                sent_total: sent as i64,
-                sent_since: (sent - sent_before) as i64,
-                failed_since: (failed - failed_before) as i64,
-            };
-            match self.store.heartbeat(&beat).await {
-                Ok(()) => (sent_before, failed_before) = (sent, failed),
-                Err(e) => tracing::debug!(error = %e, "daemon report failed"),
+            let stopping = stop.is_cancelled();
+            reported = self.report_daemon(reported).await;
+            if stopping {
+                break;
             }
             tokio::select! {
-                _ = stop.cancelled() => break,
+                _ = stop.cancelled() => {}
                 _ = tokio::time::sleep(EVERY) => {}
             }
         }
         if let Err(e) = self.store.daemon_stopped(self.daemon_id).await {
             tracing::debug!(error = %e, "could not remove this daemon's row");
+        }
+    }
+
+    /// One report; returns the sent and failed counts it covered (those
+    /// before it when the database did not take it).
+    async fn report_daemon(&self, (sent_before, failed_before): (u64, u64)) -> (u64, u64) {
+        let sent = self.metrics.count(Outcome::Sent);
+        let failed = self.metrics.count(Outcome::Failed);
+        let beat = DaemonBeat {
+            id: self.daemon_id,
+            host: self.message_id_domain.clone(),
+            pid: std::process::id() as i32,
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            in_flight: self.held.len() as i32,
+            sent_total: sent as i64,
+            sent_since: (sent - sent_before) as i64,
+            failed_since: (failed - failed_before) as i64,
+        };
+        match self.store.heartbeat(&beat).await {
+            Ok(()) => (sent, failed),
+            Err(e) => {
+                tracing::debug!(error = %e, "daemon report failed");
+                (sent_before, failed_before)
+            }
         }
     }
 

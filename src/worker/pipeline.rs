@@ -18,6 +18,7 @@ use std::{panic::AssertUnwindSafe, sync::Arc, time::Duration};
 use futures_util::FutureExt;
 use tokio::{sync::mpsc, task::JoinSet, time::Instant};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use tokio::sync::OwnedSemaphorePermit;
 
@@ -32,7 +33,7 @@ use crate::{
 use super::{
     outcome::{self, Attempt, CutOff, Decision, Hold, RelaySignal, Row},
     queue::JobQueue,
-    report::{log_outcome, panic_text},
+    report::{log_outcome, mail_span, panic_text},
     retry, BatchReport, Worker,
 };
 
@@ -48,6 +49,9 @@ const BUILD_IN_PLACE_LIMIT: u64 = 64 * 1024;
 pub(super) struct Ready {
     mail: QueuedMail,
     prepared: Result<PreparedMail, Attempt>,
+    /// The unit of work: every log line about this mail, from its build to
+    /// its outcome, is inside it (`mail_id`, `lock`, `attempt`).
+    span: tracing::Span,
     /// The share of the memory budget its loaded content takes, given back
     /// when the mail is done with.
     _memory: Option<OwnedSemaphorePermit>,
@@ -57,6 +61,7 @@ impl Ready {
     /// A row that is not tried now.
     fn held(mail: QueuedMail, why: Attempt) -> Ready {
         Ready {
+            span: mail_span(&mail),
             mail,
             prepared: Err(why),
             _memory: None,
@@ -125,8 +130,6 @@ fn least_encoded_size(sizes: &MailSizes) -> u64 {
 pub(super) struct Done {
     pub(super) id: i64,
     pub(super) lock: crate::store::BatchLock,
-    /// The attempt number (this one included).
-    pub(super) attempt: i32,
     pub(super) decision: Decision,
     pub(super) smtp_code: Option<u16>,
     /// The relay's reply to "." when it took the mail.
@@ -139,6 +142,8 @@ pub(super) struct Done {
     pub(super) domains: String,
     /// Which relay took it (`primary`, `fallback`), when one did.
     pub(super) relay: Option<&'static str>,
+    /// The mail's span, for the outcome's log line.
+    pub(super) span: tracing::Span,
 }
 
 impl Done {
@@ -215,7 +220,8 @@ impl Worker {
                 next.as_ref().and_then(Ready::outgoing),
                 session,
             ))
-            .catch_unwind();
+            .catch_unwind()
+            .instrument(ready.span.clone());
             let attempt = tokio::select! {
                 attempt = sending => Some(attempt),
                 _ = stop.sending.cancelled() => None,
@@ -224,8 +230,8 @@ impl Worker {
                 Some(Ok(attempt)) => attempt,
                 Some(Err(panic)) => {
                     let stage = session.cut_off();
+                    let _in = ready.span.enter();
                     tracing::error!(
-                        mail_id = ready.mail.id,
                         panic = panic_text(&panic),
                         stage = %stage,
                         "sender crashed"
@@ -272,7 +278,14 @@ impl Worker {
     /// so that they never hold up the lanes' network work on the async
     /// threads; a small unsigned mail takes microseconds and is built in
     /// place.
-    async fn ready(&self, mut mail: QueuedMail) -> Ready {
+    async fn ready(&self, mail: QueuedMail) -> Ready {
+        let span = mail_span(&mail);
+        let mut ready = self.build(mail).instrument(span.clone()).await;
+        ready.span = span;
+        ready
+    }
+
+    async fn build(&self, mut mail: QueuedMail) -> Ready {
         if mail.expired {
             return Ready::held(mail, Attempt::Expired);
         }
@@ -294,7 +307,7 @@ impl Worker {
                 Ok(Some(content)) => content,
                 Ok(None) => return Ready::held(mail, Attempt::Held(Hold::LockLost)),
                 Err(e) => {
-                    tracing::warn!(mail_id = mail.id, error = %e, "could not load the mail");
+                    tracing::warn!(error = %e, "could not load the mail");
                     return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
                 }
             },
@@ -304,7 +317,7 @@ impl Worker {
             _ => match self.store.load_attachments(mail.id).await {
                 Ok(attachments) => attachments,
                 Err(e) => {
-                    tracing::warn!(mail_id = mail.id, error = %e, "could not load the attachments");
+                    tracing::warn!(error = %e, "could not load the attachments");
                     return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
                 }
             },
@@ -316,6 +329,7 @@ impl Worker {
             return Ready {
                 mail,
                 prepared,
+                span: tracing::Span::none(),
                 _memory: memory,
             };
         }
@@ -334,6 +348,7 @@ impl Worker {
         Ready {
             mail,
             prepared: prepared.map_err(Attempt::Invalid),
+            span: tracing::Span::none(),
             _memory: memory,
         }
     }
@@ -371,6 +386,7 @@ impl Worker {
         send_time: Option<Duration>,
         since: u64,
     ) -> Done {
+        let _in = ready.span.enter();
         let mail = &ready.mail;
         let domains: &[String] = match &ready.prepared {
             Ok(prepared) => &prepared.recipient_domains,
@@ -435,7 +451,6 @@ impl Worker {
                 self.relay_unavailable(e, needs_operator, !e.stage.in_transaction());
             }
             RelaySignal::ConfigFault => tracing::error!(
-                mail_id = mail.id,
                 error = %mail::MailError::NoSender,
                 "configuration fault: mail waits until defaults.from_address is set"
             ),
@@ -444,7 +459,6 @@ impl Worker {
         Done {
             id: mail.id,
             lock: mail.lock,
-            attempt: mail.attempts,
             decision,
             smtp_code,
             reply,
@@ -452,6 +466,7 @@ impl Worker {
             send_time,
             domains: domains.join(","),
             relay,
+            span: ready.span.clone(),
         }
     }
 
