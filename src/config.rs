@@ -162,6 +162,10 @@ pub struct TransportSettings {
     pub probe_interval: Duration,
     /// Staging: every envelope goes to this one address, headers untouched.
     pub redirect_to: Option<String>,
+    /// Send AUTH (the password) over a connection without TLS: `smtp://`
+    /// without `?tls=required`. Default false: such a relay is a
+    /// configuration fault (`check` fails, mail waits unspent).
+    pub allow_plaintext_auth: bool,
 }
 
 impl Default for TransportSettings {
@@ -182,6 +186,7 @@ impl Default for TransportSettings {
             fallback_password_file: None,
             probe_interval: Duration::from_secs(30),
             redirect_to: None,
+            allow_plaintext_auth: false,
         }
     }
 }
@@ -376,22 +381,21 @@ impl Settings {
     ) -> Result<Settings> {
         let mut builder = config::Config::builder();
         let system = Path::new(SYSTEM_CONFIG_PATH);
-        match file {
-            Some(path) => {
-                if !path.exists() {
-                    return Err(ConfigError::Load(format!(
-                        "config file {} does not exist",
-                        path.display()
-                    )));
-                }
-                builder =
-                    builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
+        let path = match file {
+            Some(path) if !path.exists() => {
+                return Err(ConfigError::Load(format!(
+                    "config file {} does not exist",
+                    path.display()
+                )))
             }
-            None if system.exists() => {
-                builder =
-                    builder.add_source(config::File::from(system).format(config::FileFormat::Toml));
-            }
-            None => {}
+            Some(path) => Some(path),
+            None => system.exists().then_some(system),
+        };
+        if let Some(path) = path {
+            // Opened here first: when the service's user cannot read the
+            // file, the message names its mode and owner, not just EACCES.
+            check_readable(path)?;
+            builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
         }
         let env: std::collections::HashMap<String, String> = env
             .into_iter()
@@ -571,6 +575,35 @@ impl TransportSettings {
         }
     }
 
+    /// The relays (`transport.url`, `transport.fallback_url`) whose AUTH
+    /// would send the password over a connection without TLS, which
+    /// `allow_plaintext_auth = false` refuses: a configuration fault that
+    /// `check` and `/healthz` report and that keeps mail waiting, unspent.
+    pub fn plaintext_auth_refused(&self) -> Vec<&'static str> {
+        if self.allow_plaintext_auth {
+            return Vec::new();
+        }
+        let plain = |url: &str| {
+            matches!(
+                TransportKind::parse(url),
+                Ok(TransportKind::Smtp {
+                    tls: crate::smtp::TlsMode::None,
+                    ..
+                })
+            )
+        };
+        let mut refused = Vec::new();
+        if self.username.is_some() && plain(&self.url) {
+            refused.push("transport.url");
+        }
+        if let Some(url) = &self.fallback_url {
+            if self.fallback_username.is_some() && plain(url) {
+                refused.push("transport.fallback_url");
+            }
+        }
+        refused
+    }
+
     /// The relay client these settings name; `hello` is our name in EHLO.
     pub fn client(&self, hello: &str) -> Result<Transport> {
         let invalid = |e: TransportError| ConfigError::Invalid {
@@ -587,6 +620,7 @@ impl TransportSettings {
                 data_timeout: self.data_timeout,
                 pool_size: self.pool_size,
                 accept_invalid_certs: self.accept_invalid_certs,
+                allow_plaintext_auth: self.allow_plaintext_auth,
             })
         };
         let mut transport =
@@ -617,6 +651,60 @@ impl TransportSettings {
             .redirect_to(redirect)
             .probe_every(self.probe_interval))
     }
+}
+
+/// Fails, saying why, unless this process can read the config file at
+/// `path`: a file the service's user may not read (the classic 0640 root
+/// file under a systemd `DynamicUser`) is named with its mode, its owner and
+/// who we run as.
+fn check_readable(path: &Path) -> Result<()> {
+    let error = match std::fs::File::open(path) {
+        Ok(_) => return Ok(()),
+        Err(e) => e,
+    };
+    let mut why = String::new();
+    if let Ok(meta) = std::fs::metadata(path) {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        why = format!(
+            " (mode {:04o}, owner {}:{}",
+            meta.permissions().mode() & 0o7777,
+            account_name("/etc/passwd", meta.uid()),
+            account_name("/etc/group", meta.gid()),
+        );
+        if let Some((uid, gid)) = effective_ids() {
+            why.push_str(&format!("; tablemail runs as uid {uid} gid {gid}"));
+        }
+        why.push(')');
+    }
+    Err(ConfigError::Load(format!(
+        "cannot read {}{why}: {error}",
+        path.display()
+    )))
+}
+
+/// This process's effective uid and gid, from `/proc/self/status` (Linux).
+fn effective_ids() -> Option<(u32, u32)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let effective = |key: &str| -> Option<u32> {
+        let line = status.lines().find(|l| l.starts_with(key))?;
+        line[key.len()..].split_whitespace().nth(1)?.parse().ok()
+    };
+    Some((effective("Uid:")?, effective("Gid:")?))
+}
+
+/// The name of the user (or group) `id` in `file` (`/etc/passwd`,
+/// `/etc/group`), or the number when it has none there.
+fn account_name(file: &str, id: u32) -> String {
+    std::fs::read_to_string(file)
+        .ok()
+        .and_then(|text| {
+            text.lines().find_map(|line| {
+                let mut fields = line.split(':');
+                let name = fields.next()?;
+                (fields.nth(1)?.parse::<u32>().ok()? == id).then(|| name.to_string())
+            })
+        })
+        .unwrap_or_else(|| id.to_string())
 }
 
 /// A secret kept in a file: a relative path is looked up in
@@ -768,6 +856,48 @@ mod tests {
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             assert!(s.defaults.from_address.is_some(), "{name}");
         }
+    }
+
+    #[test]
+    fn auth_without_tls_is_a_fault_unless_allowed() {
+        let refused = |pairs: &[(&str, &str)]| {
+            let mut all = vec![
+                ("TABLEMAIL__TRANSPORT__USERNAME", "mailer"),
+                ("TABLEMAIL__TRANSPORT__PASSWORD", "pw"),
+            ];
+            all.extend_from_slice(pairs);
+            Settings::load_from(None, env(&all))
+                .unwrap()
+                .transport
+                .plaintext_auth_refused()
+        };
+        let url = "TABLEMAIL__TRANSPORT__URL";
+        assert_eq!(refused(&[(url, "smtp://relay:25")]), ["transport.url"]);
+        assert!(refused(&[(url, "smtp://relay:587?tls=required")]).is_empty());
+        assert!(refused(&[(url, "smtps://relay")]).is_empty());
+        assert!(refused(&[
+            (url, "smtp://relay:25"),
+            ("TABLEMAIL__TRANSPORT__ALLOW_PLAINTEXT_AUTH", "true"),
+        ])
+        .is_empty());
+        // The fallback's own login, judged by its own URL.
+        let fallback = [
+            (url, "smtps://relay"),
+            ("TABLEMAIL__TRANSPORT__FALLBACK_URL", "smtp://backup:25"),
+            ("TABLEMAIL__TRANSPORT__FALLBACK_USERNAME", "other"),
+            ("TABLEMAIL__TRANSPORT__FALLBACK_PASSWORD_FILE", "/dev/null"),
+        ];
+        assert_eq!(refused(&fallback), ["transport.fallback_url"]);
+        // No username, no password to protect.
+        let s = Settings::load_from(None, env(&[(url, "smtp://relay:25")])).unwrap();
+        assert!(s.transport.plaintext_auth_refused().is_empty());
+    }
+
+    #[test]
+    fn accounts_are_named_from_the_system_files() {
+        assert_eq!(account_name("/etc/passwd", 0), "root");
+        assert_eq!(account_name("/etc/passwd", 4_000_000_000), "4000000000");
+        assert!(effective_ids().is_some());
     }
 
     #[test]

@@ -5,8 +5,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use tablemail::{cli::Cli, commands, config::Settings, telemetry};
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let settings = match Settings::load(cli.config.as_deref()) {
         Ok(s) => s,
@@ -16,5 +15,12 @@ async fn main() -> ExitCode {
         }
     };
     let _logs = telemetry::init(&settings.log);
-    commands::execute(cli.command, settings).await
+    let runtime = match commands::runtime() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("tablemail: cannot start: {e}");
+            return ExitCode::from(commands::EXIT_RUNTIME);
+        }
+    };
+    runtime.block_on(commands::execute(cli.command, settings))
 }

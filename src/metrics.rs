@@ -72,6 +72,9 @@ pub struct Metrics {
     relay_trouble: std::sync::Mutex<Option<String>>,
     /// Mails the primary relay and the fallback took.
     sent_through: [AtomicU64; 2],
+    /// Configuration faults found at start (no sender, AUTH that would go
+    /// in clear): mail waits until an operator fixes them and restarts.
+    config_faults: std::sync::Mutex<Vec<String>>,
 }
 
 impl Metrics {
@@ -123,6 +126,17 @@ impl Metrics {
     /// Why the relay is unavailable, if it is.
     pub fn relay_trouble(&self) -> Option<String> {
         self.relay_trouble.lock().unwrap().clone()
+    }
+
+    /// A configuration fault that keeps mail waiting: `/healthz` says 503
+    /// and names it for as long as the daemon runs with it.
+    pub fn config_fault(&self, reason: impl Into<String>) {
+        self.config_faults.lock().unwrap().push(reason.into());
+    }
+
+    /// The configuration faults found at start.
+    pub fn config_faults(&self) -> Vec<String> {
+        self.config_faults.lock().unwrap().clone()
     }
 
     /// The counters in Prometheus text exposition format.
@@ -256,7 +270,8 @@ async fn respond(
     stream.shutdown().await
 }
 
-/// 200 while the database answers and the relay is not known to be down.
+/// 200 while the database answers, the relay is not known to be down and
+/// the configuration lets mail go; 503 otherwise, a line saying why.
 async fn health(metrics: &Metrics, store: &dyn Store) -> (&'static str, String) {
     let database = matches!(
         tokio::time::timeout(Duration::from_secs(2), store.ping()).await,
@@ -264,7 +279,7 @@ async fn health(metrics: &Metrics, store: &dyn Store) -> (&'static str, String) 
     );
     let trouble = metrics.relay_trouble();
     let relay = trouble.is_none();
-    let body = format!(
+    let mut body = format!(
         "database: {}\nrelay: {}\n",
         if database { "ok" } else { "unreachable" },
         match &trouble {
@@ -272,7 +287,11 @@ async fn health(metrics: &Metrics, store: &dyn Store) -> (&'static str, String) 
             Some(reason) => format!("unavailable: {reason}"),
         }
     );
-    if database && relay {
+    let faults = metrics.config_faults();
+    for fault in &faults {
+        let _ = writeln!(body, "configuration: {fault}");
+    }
+    if database && relay && faults.is_empty() {
         ("200 OK", body)
     } else {
         ("503 Service Unavailable", body)

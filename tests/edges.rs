@@ -401,6 +401,7 @@ async fn credentials_reach_the_relay_as_written() {
         &[
             ("TABLEMAIL__TRANSPORT__USERNAME", "007"),
             ("TABLEMAIL__TRANSPORT__PASSWORD", "00042"),
+            ("TABLEMAIL__TRANSPORT__ALLOW_PLAINTEXT_AUTH", "true"),
         ],
     );
     let id = db.enqueue(mail("a@example.com", "auth")).await;
@@ -410,9 +411,151 @@ async fn credentials_reach_the_relay_as_written() {
     })
     .await;
     assert_eq!(smtp.received().len(), 1);
+    assert!(smtp
+        .auths()
+        .iter()
+        .any(|a| a.login.as_deref() == Some("007")));
     assert!(daemon.logged("relay unavailable").is_empty());
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+}
+
+/// `smtp://` with a username: the password would cross the network in
+/// clear. Refused (a configuration fault: `check` fails naming the key, an
+/// error at start, `/healthz` 503, the mail waits unspent and the relay never
+/// sees AUTH) until `transport.allow_plaintext_auth = true` says the network
+/// is trusted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_without_tls_waits_for_the_operator_to_allow_it() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&["--auth", "mailer:clear text pw"]);
+    let secrets = TempDir::new();
+    let password_file = secrets.path().join("smtp-password");
+    std::fs::write(&password_file, "clear text pw\n").unwrap();
+    let metrics_port = free_port();
+    let listen = format!("127.0.0.1:{metrics_port}");
+    let env = daemon_env(
+        &db,
+        &smtp.url(),
+        &[
+            ("TABLEMAIL__TRANSPORT__USERNAME", "mailer"),
+            (
+                "TABLEMAIL__TRANSPORT__PASSWORD_FILE",
+                password_file.to_str().unwrap(),
+            ),
+            ("TABLEMAIL__METRICS__LISTEN", &listen),
+        ],
+    );
+    let (code, out, err) = output(tablemail().envs(env.clone()).arg("check"));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains(
+            "transport.allow_plaintext_auth: false, and transport.url has a username but no TLS"
+        ),
+        "{out}"
+    );
+    assert!(err.contains("transport.allow_plaintext_auth"), "{err}");
+
+    let id = db.enqueue(mail("a@example.com", "waits")).await;
+    let mut daemon = Daemon::start(env.clone());
+    let said = daemon
+        .wait_for_log(
+            "configuration fault: AUTH without TLS refused (transport.allow_plaintext_auth is false): this relay gets no mail",
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(said["level"], "ERROR");
+    assert_eq!(said["relay"], "transport.url");
+    // Found at the start probe, then again by the probe that ends the
+    // first pause: the claimer had its chance, and claimed nothing.
+    eventually("a second refusal", Duration::from_secs(20), || async {
+        daemon.logged("relay unavailable").len() >= 2
+    })
+    .await;
+    let refused = daemon.logged("relay unavailable").remove(1);
+    assert_eq!(refused["level"], "ERROR", "{refused}");
+    assert!(
+        refused["error"]
+            .as_str()
+            .unwrap()
+            .contains("transport.allow_plaintext_auth is false"),
+        "{refused}"
+    );
+    eventually("/healthz answers", Duration::from_secs(10), || async {
+        http_get(metrics_port, "/healthz").0 != 0
+    })
+    .await;
+    let health = http_get(metrics_port, "/healthz");
+    assert_eq!(health.0, 503, "{}", health.1);
+    assert!(
+        health.1.contains("transport.allow_plaintext_auth"),
+        "{}",
+        health.1
+    );
+    let row = db.row(id).await;
+    assert_eq!(
+        (row.status.as_str(), row.attempts, row.attempts_remaining),
+        ("queued", 0, 5),
+        "{row:?}"
+    );
+    assert!(smtp.auths().is_empty(), "the relay saw AUTH in clear");
+    assert!(smtp.received().is_empty());
+    assert!(
+        !daemon.output().contains("clear text pw"),
+        "password logged"
+    );
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+
+    // The operator says the network is trusted: the same mail goes, once.
+    let mut allowed = env;
+    allowed.push((
+        "TABLEMAIL__TRANSPORT__ALLOW_PLAINTEXT_AUTH".into(),
+        "true".into(),
+    ));
+    let (code, out, err) = output(tablemail().envs(allowed.clone()).arg("check"));
+    assert_eq!(code, 0, "{out}{err}");
+    let mut daemon = Daemon::start(allowed);
+    eventually("sent after AUTH", Duration::from_secs(20), || async {
+        db.row(id).await.status == "sent"
+    })
+    .await;
+    let row = db.row(id).await;
+    assert_eq!((row.attempts, row.attempts_remaining), (1, 4), "{row:?}");
+    let auths = smtp.auths();
+    assert!(
+        auths
+            .iter()
+            .any(|a| a.login.as_deref() == Some("mailer") && !a.tls),
+        "{auths:?}"
+    );
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+}
+
+/// A GET over plain HTTP/1.0: (status code, body), or code 0 when nothing
+/// answers yet.
+fn http_get(port: u16, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return (0, String::new());
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let _ = write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
+    let mut response = String::new();
+    let _ = stream.read_to_string(&mut response);
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -276,6 +276,8 @@ async fn auth_rejected_needs_an_operator(db: TestDb) {
         &[
             ("TABLEMAIL__TRANSPORT__USERNAME", "mailer"),
             ("TABLEMAIL__TRANSPORT__PASSWORD", "wrong-secret-pw"),
+            // A test relay without TLS.
+            ("TABLEMAIL__TRANSPORT__ALLOW_PLAINTEXT_AUTH", "true"),
         ],
     );
     let mut daemon = Daemon::start(env);
@@ -304,6 +306,7 @@ async fn auth_rejected_needs_an_operator(db: TestDb) {
     let mut s = settings(&db, &smtp.url());
     s.transport.username = Some("mailer".into());
     s.transport.password_file = Some(dir.path().join("smtp-password"));
+    s.transport.allow_plaintext_auth = true;
     assert_eq!(worker(&db, &s).process_batch().await.unwrap().sent, 1);
     assert_eq!(smtp.received().len(), 1);
 }

@@ -321,6 +321,22 @@ fn the_systemd_unit_verifies_and_is_hardened() {
     let unit = Path::new(env!("CARGO_MANIFEST_DIR")).join("systemd/tablemail.service");
     let text = std::fs::read_to_string(&unit).unwrap();
     assert!(text.contains("Type=notify"));
+    // Bounds on memory and threads (a runaway is stopped, not the host).
+    // TasksMax leaves room for the runtime's capped thread pools.
+    let value = |key: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("no {key}= in the unit"))
+            .to_string()
+    };
+    assert_eq!(value("MemoryMax"), "512M");
+    let tasks: usize = value("TasksMax").parse().unwrap();
+    let threads =
+        1 + tablemail::commands::MAX_WORKER_THREADS + tablemail::commands::MAX_BLOCKING_THREADS + 1;
+    assert!(
+        tasks >= threads + 8,
+        "TasksMax={tasks} leaves no room for {threads} threads and SQLite's 8 connections"
+    );
     // The unit as shipped, with ExecStart at the binary under test.
     let dir = TempDir::new();
     let copy = dir.path().join("tablemail.service");

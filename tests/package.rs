@@ -3,8 +3,10 @@
 //! lintian, and its unit's `ExecStart` run the way systemd would — as an
 //! unprivileged user with no supplementary groups, the credentials in
 //! `$CREDENTIALS_DIRECTORY`, the state directory as working directory, the
-//! unit's environment and nothing else — against PostgreSQL and an SMTP relay
-//! that demands AUTH. No systemd as PID 1 is needed.
+//! unit's environment and nothing else — against a fresh MariaDB database
+//! it must migrate itself, as a database user whose password it has only from
+//! its credential, and an SMTP relay that demands STARTTLS and AUTH. No
+//! systemd as PID 1 is needed.
 
 mod support;
 
@@ -16,10 +18,118 @@ use std::{
     time::Duration,
 };
 
+use sqlx::{mysql::MySqlPoolOptions, MySqlPool};
 use support::*;
+use tablemail::store::Backend;
 
 /// The uid and gid the service runs as (a DynamicUser is some such number).
 const SERVICE_ID: u32 = 61_234;
+
+/// A MariaDB database, empty (not migrated), and a user of its own with a
+/// password made up for this run; both dropped afterwards.
+struct MariaDb {
+    admin: MySqlPool,
+    name: String,
+    user: String,
+    password: String,
+    /// `host:port` of the server.
+    server: String,
+}
+
+impl MariaDb {
+    async fn create() -> Option<MariaDb> {
+        let admin_url = mysql_admin_url();
+        let admin = match MySqlPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(&admin_url)
+            .await
+        {
+            Ok(pool) => pool,
+            Err(e) => {
+                unreachable(Backend::Mysql, e);
+                return None;
+            }
+        };
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let db = MariaDb {
+            admin,
+            name: format!("tm_pkg_{id}"),
+            user: format!("tm{}", &id[..16]),
+            password: uuid::Uuid::new_v4().simple().to_string(),
+            server: admin_url
+                .rsplit_once('@')
+                .and_then(|(_, rest)| rest.split('/').next())
+                .expect("host:port in the MySQL admin URL")
+                .to_string(),
+        };
+        for sql in [
+            format!("CREATE DATABASE {}", db.name),
+            format!(
+                "CREATE USER '{}'@'%' IDENTIFIED BY '{}'",
+                db.user, db.password
+            ),
+            format!("GRANT ALL PRIVILEGES ON {}.* TO '{}'@'%'", db.name, db.user),
+        ] {
+            db.exec(&sql).await;
+        }
+        Some(db)
+    }
+
+    async fn exec(&self, sql: &str) {
+        sqlx::query(sqlx::AssertSqlSafe(sql.to_string()))
+            .execute(&self.admin)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// The daemon's URL: its user, no password.
+    fn url(&self) -> String {
+        format!("mysql://{}@{}/{}", self.user, self.server, self.name)
+    }
+
+    async fn scalar(&self, sql: &str) -> i64 {
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql.replace("{db}", &self.name)))
+            .fetch_one(&self.admin)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    async fn tables(&self) -> i64 {
+        self.scalar(
+            "SELECT count(*) FROM information_schema.tables \
+             WHERE table_schema = '{db}' AND table_name = 'mail_queue'",
+        )
+        .await
+    }
+}
+
+impl Drop for MariaDb {
+    fn drop(&mut self) {
+        let (url, name, user) = (mysql_admin_url(), self.name.clone(), self.user.clone());
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(admin) = MySqlPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                {
+                    for sql in [
+                        format!("DROP DATABASE IF EXISTS {name}"),
+                        format!("DROP USER IF EXISTS '{user}'@'%'"),
+                    ] {
+                        let _ = sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&admin).await;
+                    }
+                }
+            });
+        })
+        .join();
+    }
+}
 
 /// Builds the package from the test build's binary into `out`.
 fn build_deb(cargo_deb: &str, out: &Path) -> PathBuf {
@@ -92,9 +202,19 @@ async fn the_package_installs_and_its_unit_runs_the_daemon() {
         eprintln!("SKIPPED: not root");
         return;
     }
-    let Some(db) = TestDb::postgres().await else {
+    let Some(db) = MariaDb::create().await else {
         return;
     };
+    // The password is needed: the URL alone is refused.
+    let without = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url())
+        .await;
+    assert!(
+        without.is_err(),
+        "MariaDB let the user in without a password"
+    );
+    assert_eq!(db.tables().await, 0, "the database starts empty");
     let work = TempDir::new();
     let deb = build_deb(&cargo_deb, &work.path().join("out"));
 
@@ -163,27 +283,49 @@ async fn the_package_installs_and_its_unit_runs_the_daemon() {
     assert_eq!(unit_values(&unit, "StateDirectory"), ["tablemail"]);
     assert_eq!(unit_values(&unit, "WorkingDirectory"), ["%S/tablemail"]);
 
-    // The operator's part: one file edited, the password in one file.
-    let smtp = SmtpServer::start(&["--auth", "tablemail:s3cret 00042"]);
+    // The operator's part: one file edited (the database, the relay, the
+    // commented password_file line taken in as written), the passwords in
+    // one file each. The relay requires STARTTLS, then AUTH.
+    let certs = TempDir::new();
+    let (cert, key) = self_signed_cert(certs.path());
+    let smtp = SmtpServer::start(&[
+        "--auth",
+        "tablemail:s3cret 00042",
+        "--tls",
+        cert.to_str().unwrap(),
+        key.to_str().unwrap(),
+    ]);
     let metrics_port = free_port();
     let text = std::fs::read_to_string(&config).unwrap();
-    let edited = text
-        .replace(
-            "url = \"postgres://tablemail@db.internal:5432/app\"",
-            &format!(
-                "url = \"{}\"\npassword_file = \"database-password\"",
-                db.url
+    let edits = [
+        (
+            "url = \"postgres://tablemail@db.internal:5432/app\"".to_string(),
+            format!("url = \"{}\"", db.url()),
+        ),
+        (
+            "# password_file = \"database-password\"".into(),
+            "password_file = \"database-password\"".into(),
+        ),
+        (
+            "url = \"smtp://relay.internal:587?tls=required\"".into(),
+            format!(
+                "url = \"smtp://localhost:{}?tls=required\"\naccept_invalid_certs = true",
+                smtp.port
             ),
-        )
-        .replace(
-            "url = \"smtp://relay.internal:587?tls=required\"",
-            &format!("url = \"{}\"", smtp.url()),
-        )
-        .replace(
-            "listen = \"127.0.0.1:9898\"",
-            &format!("listen = \"127.0.0.1:{metrics_port}\""),
+        ),
+        (
+            "listen = \"127.0.0.1:9898\"".into(),
+            format!("listen = \"127.0.0.1:{metrics_port}\""),
+        ),
+    ];
+    let mut edited = text.clone();
+    for (from, to) in &edits {
+        assert!(
+            edited.contains(from.as_str()),
+            "no `{from}` in the conffile"
         );
-    assert_ne!(edited, text);
+        edited = edited.replacen(from.as_str(), to, 1);
+    }
     std::fs::write(&config, edited).unwrap();
     let credentials = work.path().join("credentials");
     std::fs::create_dir(&credentials).unwrap();
@@ -191,8 +333,9 @@ async fn the_package_installs_and_its_unit_runs_the_daemon() {
         let (id, source) = credential.split_once(':').unwrap();
         assert!(source.starts_with("/etc/tablemail/"), "{source}");
         let secret = match id {
-            "smtp-password" => "s3cret 00042\n",
-            _ => "only-read-with-trust-auth\n",
+            "smtp-password" => "s3cret 00042\n".to_string(),
+            "database-password" => format!("{}\n", db.password),
+            other => panic!("a credential the test does not know: {other}"),
         };
         let file = credentials.join(id);
         std::fs::write(&file, secret).unwrap();
@@ -240,15 +383,42 @@ async fn the_package_installs_and_its_unit_runs_the_daemon() {
         logged("worker started")
     })
     .await;
-    db.enqueue(mail("customer@example.org", "packaged")).await;
+    // It migrated the database itself, as its own user.
+    assert_eq!(db.tables().await, 1, "the daemon did not migrate");
+    // The README's smallest insert, the sender from the conffile.
+    db.exec(&format!(
+        "INSERT INTO {}.mail_queue (to_address, subject, body) \
+         VALUES ('customer@example.org', 'packaged', 'Hello')",
+        db.name
+    ))
+    .await;
     eventually(
         "the relay has the mail",
         Duration::from_secs(30),
         || async { smtp.received().len() == 1 },
     )
     .await;
-    assert_eq!(smtp.received()[0].rcpt_tos, ["customer@example.org"]);
-    assert_eq!(db.rows().await[0].status, "sent");
+    let got = &smtp.received()[0];
+    assert_eq!(got.rcpt_tos, ["customer@example.org"]);
+    assert_eq!(got.mail_from, "noreply@example.com");
+    eventually("the row is sent", Duration::from_secs(10), || async {
+        db.scalar("SELECT count(*) FROM {db}.mail_queue WHERE status = 'sent'")
+            .await
+            == 1
+    })
+    .await;
+    // Its threads stay well inside the unit's TasksMax=.
+    let tasks_max: usize = unit_values(&unit, "TasksMax")[0].parse().unwrap();
+    let proc_status = std::fs::read_to_string(format!("/proc/{}/status", child.id())).unwrap();
+    let threads: usize = proc_status
+        .lines()
+        .find_map(|l| l.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("Threads: in /proc/PID/status");
+    assert!(
+        threads < tasks_max / 2,
+        "{threads} threads, TasksMax={tasks_max}"
+    );
     run_ok(Command::new("kill").args(["-TERM", &child.id().to_string()]));
     let status = child.wait().unwrap();
     assert_eq!(
@@ -267,5 +437,9 @@ async fn the_package_installs_and_its_unit_runs_the_daemon() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("ermission denied"), "{err}");
+    let said = format!(
+        "cannot read {} (mode 0640, owner root:root; tablemail runs as uid {SERVICE_ID} gid {SERVICE_ID}): Permission denied",
+        config.display()
+    );
+    assert!(err.contains(&said), "{err}");
 }

@@ -15,18 +15,28 @@ use tablemail::store::NewMail;
 
 /// `GET /healthz`: its status code, or 0 when nothing answers.
 fn healthz(port: u16) -> u16 {
+    healthz_says(port).0
+}
+
+/// `GET /healthz`: its status code (0 when nothing answers) and body.
+fn healthz_says(port: u16) -> (u16, String) {
     let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return 0;
+        return (0, String::new());
     };
     let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
     let _ = write!(stream, "GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n");
     let mut response = String::new();
     let _ = stream.read_to_string(&mut response);
-    response
+    let code = response
         .split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    (code, body)
 }
 
 fn sender(mut m: NewMail) -> NewMail {
@@ -75,25 +85,59 @@ async fn the_fallback_takes_the_mail_while_the_primary_is_down() {
         return;
     };
     let primary_port = free_port();
-    let fallback = SmtpServer::start(&[]);
+    // The fallback is another provider: its own login, from its own
+    // credential file (on a trusted network here: no TLS).
+    let fallback = SmtpServer::start(&["--auth", "backup-user:backup pw 7"]);
+    let secrets = TempDir::new();
+    let password_file = secrets.path().join("smtp-fallback-password");
+    std::fs::write(&password_file, "backup pw 7\n").unwrap();
     let mails: Vec<NewMail> = (0..20)
         .map(|i| mail(&format!("u{i}@example.com"), &format!("m{i}")))
         .collect();
     let first = db.store.enqueue(&mails).await.unwrap();
-    let mut daemon = Daemon::start(daemon_env(
+    let env = daemon_env(
         &db,
         &format!("smtp://127.0.0.1:{primary_port}"),
         &[
             ("TABLEMAIL__TRANSPORT__FALLBACK_URL", &fallback.url()),
+            ("TABLEMAIL__TRANSPORT__FALLBACK_USERNAME", "backup-user"),
+            (
+                "TABLEMAIL__TRANSPORT__FALLBACK_PASSWORD_FILE",
+                password_file.to_str().unwrap(),
+            ),
             ("TABLEMAIL__TRANSPORT__PROBE_INTERVAL", "1s"),
             ("TABLEMAIL__TRANSPORT__TIMEOUT", "2s"),
         ],
+    );
+    // Without allow_plaintext_auth the fallback's password would go in
+    // clear: check refuses the configuration, naming the key and the relay.
+    let (code, out, err) = output(tablemail().envs(env.clone()).arg("check"));
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.contains("transport.allow_plaintext_auth: false, and transport.fallback_url"),
+        "{out}"
+    );
+    assert!(fallback.auths().is_empty(), "a password went out in clear");
+    let mut env = env;
+    env.push((
+        "TABLEMAIL__TRANSPORT__ALLOW_PLAINTEXT_AUTH".into(),
+        "true".into(),
     ));
+    let mut daemon = Daemon::start(env);
     eventually("20 mails sent", Duration::from_secs(30), || async {
         db.count("status = 'sent'").await == 20
     })
     .await;
     assert_eq!(fallback.received().len(), 20);
+    let auths = fallback.auths();
+    assert!(!auths.is_empty());
+    assert!(
+        auths
+            .iter()
+            .all(|a| a.login.as_deref() == Some("backup-user")),
+        "{auths:?}"
+    );
+    assert!(!daemon.output().contains("backup pw 7"), "password logged");
     for e in &first {
         let row = db.row(e.id).await;
         assert_eq!(
@@ -174,9 +218,32 @@ async fn the_staging_redirect_changes_the_envelope_only() {
     );
     assert_eq!(code, 0, "{out}");
     assert!(
-        out.contains("every mail goes to ***@staging.example"),
+        out.contains("transport.redirect_to: every mail goes to ***@staging.example (staging)"),
         "{out}"
     );
+    // `status`, for people and for scripts, says so too.
+    let redirected = daemon_env(
+        &db,
+        &smtp.url(),
+        &[("TABLEMAIL__TRANSPORT__REDIRECT_TO", "qa@staging.example")],
+    );
+    let (code, out, err) = output(tablemail().envs(redirected.clone()).arg("status"));
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("staging redirect: every mail goes to ***@staging.example"),
+        "{out}"
+    );
+    let (code, out, err) = output(tablemail().envs(redirected).args(["status", "--json"]));
+    assert_eq!(code, 0, "{err}");
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(json["redirect_to"], "***@staging.example", "{out}");
+    // Without the redirect, neither says anything of it.
+    let (_, out, _) = output(
+        tablemail()
+            .envs(daemon_env(&db, &smtp.url(), &[]))
+            .arg("status"),
+    );
+    assert!(!out.contains("staging redirect"), "{out}");
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 }
@@ -191,10 +258,15 @@ async fn a_missing_sender_waits_for_the_operator_and_burns_nothing() {
     let fine = db
         .enqueue(sender(mail("b@example.com", "has a sender")))
         .await;
+    let metrics_port = free_port();
     let mut env = db.env();
     env.push(("TABLEMAIL__TRANSPORT__URL".into(), smtp.url()));
     env.push(("TABLEMAIL__WORKER__POLL_INTERVAL".into(), "200ms".into()));
     env.push(("TABLEMAIL__WORKER__RETRY_BASE".into(), "1s".into()));
+    env.push((
+        "TABLEMAIL__METRICS__LISTEN".into(),
+        format!("127.0.0.1:{metrics_port}"),
+    ));
     let mut daemon = Daemon::start(env.clone());
     let said = daemon
         .wait_for_log(
@@ -220,6 +292,15 @@ async fn a_missing_sender_waits_for_the_operator_and_burns_nothing() {
     assert_eq!(row.status, "queued", "{row:?}");
     assert_eq!((row.attempts, row.attempts_remaining), (0, 5), "{row:?}");
     assert_eq!(smtp.received().len(), 1);
+    // The relay and the database are fine, yet mail waits: /healthz says
+    // 503 and why, while mail with a sender goes through.
+    let (code, body) = healthz_says(metrics_port);
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("relay: ok"), "{body}");
+    assert!(
+        body.contains("configuration: defaults.from_address is not set"),
+        "{body}"
+    );
     let (code, out, _) = output(tablemail().envs(env).arg("check"));
     assert_ne!(code, 0);
     assert!(out.contains("defaults.from_address: not set"), "{out}");
@@ -353,6 +434,18 @@ async fn dkim_signatures_verify_at_the_receiver() {
         let signature = signed.header("DKIM-Signature").expect("signed");
         assert!(signature.contains("d=example.com"), "{signature}");
         assert!(signature.contains("c=relaxed/relaxed"), "{signature}");
+        let signed_names: Vec<String> = signature
+            .split(';')
+            .filter_map(|tag| tag.trim().strip_prefix("h="))
+            .flat_map(|names| names.split(':'))
+            .map(|n| n.trim().to_ascii_lowercase())
+            .collect();
+        for name in ["list-unsubscribe", "list-unsubscribe-post"] {
+            assert!(
+                signed_names.iter().any(|n| n == name),
+                "{name} not in h=: {signature}"
+            );
+        }
         assert_eq!(dkim_verdict(&signed.data, &record), "pass", "{kind}");
         assert_eq!(
             signed.header("List-Unsubscribe").as_deref(),
@@ -374,6 +467,22 @@ async fn dkim_signatures_verify_at_the_receiver() {
             .data
             .replacen("multipart/alternative", "multipart/mixed", 1);
         assert_ne!(dkim_verdict(&retyped, &record), "pass");
+        // The unsubscribe link is signed: pointed elsewhere, or its one-click
+        // header dropped, the mail no longer verifies.
+        let relinked = signed.data.replacen(
+            "<https://example.com/u/1>",
+            "<https://attacker.example/u/1>",
+            1,
+        );
+        assert_ne!(relinked, signed.data);
+        assert_ne!(dkim_verdict(&relinked, &record), "pass", "{kind}");
+        let unposted = signed.data.replacen(
+            "List-Unsubscribe-Post: List-Unsubscribe=One-Click\r\n",
+            "",
+            1,
+        );
+        assert_ne!(unposted, signed.data);
+        assert_ne!(dkim_verdict(&unposted, &record), "pass", "{kind}");
     }
 }
 

@@ -106,6 +106,17 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
     if !reachable {
         problems.push("relay");
     }
+    let plaintext = settings.transport.plaintext_auth_refused();
+    for key in &plaintext {
+        println!(
+            "transport.allow_plaintext_auth: false, and {key} has a username but no TLS: \
+             AUTH is refused rather than sending the password in clear \
+             (use ?tls=required or smtps://, or set transport.allow_plaintext_auth = true)"
+        );
+    }
+    if !plaintext.is_empty() {
+        problems.push("transport.allow_plaintext_auth");
+    }
     if transport.outbox().is_none() && settings.defaults.from_address.is_none() {
         println!("defaults.from_address: not set: rows without a sender wait until it is");
         problems.push("defaults.from_address");

@@ -25,6 +25,30 @@ use crate::{
 pub const EXIT_RUNTIME: u8 = 1;
 pub const EXIT_CONFIG: u8 = 2;
 
+/// The runtime's worker threads: one per core, at most this many. The
+/// daemon spends about 50 µs of CPU per mail; more threads would only
+/// count against the unit's `TasksMax=`.
+pub const MAX_WORKER_THREADS: usize = 8;
+
+/// Threads of the blocking pool (large or DKIM-signed messages being built,
+/// `.eml` files, DNS lookups of the relay), instead of tokio's 512: one per
+/// lane at the default `worker.concurrency` and as many again for lookups.
+/// More work waits for a free thread. Together with the worker threads,
+/// the log writer and the main thread this stays under the unit's
+/// `TasksMax=64` (SQLite adds one thread per pooled connection).
+pub const MAX_BLOCKING_THREADS: usize = 32;
+
+/// The runtime every command runs on, with its threads bounded (see
+/// [`MAX_WORKER_THREADS`], [`MAX_BLOCKING_THREADS`]).
+pub fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores.min(MAX_WORKER_THREADS))
+        .max_blocking_threads(MAX_BLOCKING_THREADS)
+        .enable_all()
+        .build()
+}
+
 /// A command's failure, by exit code.
 #[derive(Debug, thiserror::Error)]
 pub enum CommandError {

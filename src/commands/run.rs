@@ -36,6 +36,32 @@ async fn wait_for_database(store: &Arc<dyn Store>, cancel: &CancellationToken) -
     }
 }
 
+/// The configuration faults a daemon can start with but cannot send all
+/// mail under (DESIGN §2: they never burn a mail), each logged at error
+/// level now; returned for `/healthz`, which names them while they last.
+fn config_faults(settings: &Settings, no_sender: bool) -> Vec<String> {
+    let mut faults = Vec::new();
+    if no_sender {
+        tracing::error!(
+            "configuration fault: defaults.from_address is not set: rows without a sender wait until it is"
+        );
+        faults.push(
+            "defaults.from_address is not set: rows without a sender wait until it is".to_string(),
+        );
+    }
+    for key in settings.transport.plaintext_auth_refused() {
+        tracing::error!(
+            relay = key,
+            "configuration fault: AUTH without TLS refused (transport.allow_plaintext_auth is false): this relay gets no mail"
+        );
+        faults.push(format!(
+            "{key} has a username but no TLS: AUTH refused, the password would go in clear \
+             (use ?tls=required or smtps://, or set transport.allow_plaintext_auth = true)"
+        ));
+    }
+    faults
+}
+
 pub(super) async fn run(settings: &Settings) -> Result<()> {
     let cancel = shutdown::on_signal();
     let transport = build_transport(settings)?;
@@ -46,11 +72,7 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
         );
     }
     let defaults = message_defaults(settings)?;
-    if defaults.from_address.is_none() {
-        tracing::error!(
-            "configuration fault: defaults.from_address is not set: rows without a sender wait until it is"
-        );
-    }
+    let faults = config_faults(settings, defaults.from_address.is_none());
     if let Some(signer) = &defaults.dkim {
         tracing::info!(
             dkim_domain = signer.domain(),
@@ -79,6 +101,9 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
         defaults,
         mail::local_hostname(),
     );
+    for fault in faults {
+        worker.metrics().config_fault(fault);
+    }
     if let Some(listen) = &settings.metrics.listen {
         let listener = tokio::net::TcpListener::bind(listen)
             .await

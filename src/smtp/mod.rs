@@ -66,6 +66,9 @@ pub struct RelayOptions {
     /// Idle connections kept for reuse.
     pub pool_size: usize,
     pub accept_invalid_certs: bool,
+    /// Send AUTH over a connection without TLS (`transport.allow_plaintext_auth`);
+    /// otherwise such a relay is refused before the password leaves.
+    pub allow_plaintext_auth: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -350,6 +353,7 @@ impl SmtpRelay {
             port,
             tls,
             tls_parameters,
+            plaintext_auth: options.allow_plaintext_auth,
             credentials,
             hello: ClientId::Domain(options.hello),
             limits: Limits {

@@ -82,6 +82,8 @@ pub struct SmtpRelay {
     pub(super) tls: TlsMode,
     pub(super) tls_parameters: Option<TlsParameters>,
     pub(super) credentials: Option<Credentials>,
+    /// AUTH may go over a connection without TLS (`transport.allow_plaintext_auth`).
+    pub(super) plaintext_auth: bool,
     pub(super) hello: ClientId,
     pub(super) limits: Limits,
     pub(super) pool_size: usize,
@@ -186,6 +188,19 @@ impl SmtpRelay {
     pub(super) async fn connect(&self, stage: &mut Stage) -> Result<Connection, SendError> {
         let addr = format!("{}:{}", self.host, self.port);
         let limit = self.limits.command;
+        if self.credentials.is_some() && self.tls == TlsMode::None && !self.plaintext_auth {
+            // Decided by the configuration alone: refused before any byte
+            // goes out, so the password never travels in clear. An AUTH
+            // failure with no reply needs an operator: mail waits, unspent.
+            *stage = Stage::Auth;
+            return Err(SendError::broke(
+                Stage::Auth,
+                format!(
+                    "not sent: the connection to {addr} has no TLS (smtp:// without ?tls=required) \
+                     and transport.allow_plaintext_auth is false"
+                ),
+            ));
+        }
         *stage = Stage::Connect;
         let tcp = match tokio::time::timeout(limit, TcpStream::connect(&addr)).await {
             Ok(Ok(tcp)) => tcp,

@@ -544,6 +544,25 @@ impl SmtpServer {
     pub fn attempts(&self) -> Vec<Received> {
         Self::read(&self.out.with_extension("jsonl.attempts"))
     }
+
+    /// Every AUTH the server received (with `--auth`).
+    pub fn auths(&self) -> Vec<AuthSeen> {
+        std::fs::read_to_string(self.out.with_extension("jsonl.auth"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_str(l).expect("server record"))
+            .collect()
+    }
+}
+
+/// An AUTH command the SMTP server received (never its password).
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct AuthSeen {
+    pub mechanism: String,
+    pub login: Option<String>,
+    /// Whether the connection had TLS by then.
+    pub tls: bool,
 }
 
 impl Drop for SmtpServer {

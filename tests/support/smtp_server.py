@@ -3,7 +3,9 @@
 Every accepted mail is appended as one JSON line to --out:
 {"received_at": unix time, "mail_from": ..., "rcpt_tos": [...], "data": "..."};
 every transaction that reached the end of data, accepted or not, is appended
-to --out + ".attempts".
+to --out + ".attempts"; every AUTH the server received, as
+{"mechanism": ..., "login": ..., "tls": whether the connection had TLS}
+(never the password), to --out + ".auth".
 
 Faults are chosen per mail by the local part of a recipient, so one server
 serves every case of a test:
@@ -140,6 +142,7 @@ def main():
     recorder = Recorder(args.out, args.slow, args.throttle_file)
     open(args.out, "a").close()
     open(args.out + ".attempts", "a").close()
+    open(args.out + ".auth", "a").close()
 
     kwargs = {"hostname": "testrelay.example", "enable_SMTPUTF8": True}
     if args.tls:
@@ -151,8 +154,16 @@ def main():
         user, password = args.auth.split(":", 1)
 
         def check(server, session, envelope, mechanism, auth_data):
+            login = auth_data.login.decode() if isinstance(auth_data, LoginPassword) else None
+            with open(args.out + ".auth", "a") as f:
+                f.write(json.dumps({
+                    "mechanism": mechanism,
+                    "login": login,
+                    "tls": session.ssl is not None
+                    or server.transport.get_extra_info("sslcontext") is not None,
+                }) + "\n")
             ok = isinstance(auth_data, LoginPassword) and (
-                auth_data.login.decode() == user and auth_data.password.decode() == password
+                login == user and auth_data.password.decode() == password
             )
             return AuthResult(success=ok, handled=False)
 
