@@ -72,6 +72,8 @@ pub struct Metrics {
     relay_trouble: std::sync::Mutex<Option<String>>,
     /// Mails the primary relay and the fallback took.
     sent_through: [AtomicU64; 2],
+    /// Attachment bytes (as stored) of the mails written as sent.
+    attachment_bytes: AtomicU64,
     /// Configuration faults found at start (no sender, AUTH that would go
     /// in clear): mail waits until an operator fixes them and restarts.
     config_faults: std::sync::Mutex<Vec<String>>,
@@ -105,6 +107,16 @@ impl Metrics {
     pub fn count(&self, outcome: Outcome) -> u64 {
         let i = Outcome::ALL.iter().position(|o| *o == outcome).unwrap_or(0);
         self.outcomes[i].load(Ordering::Relaxed)
+    }
+
+    /// A mail with this many attachment bytes was written as sent.
+    pub fn attachments_sent(&self, bytes: u64) {
+        self.attachment_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Attachment bytes of the mails sent since start.
+    pub fn attachment_bytes(&self) -> u64 {
+        self.attachment_bytes.load(Ordering::Relaxed)
     }
 
     /// A mail went through `relay`.
@@ -166,6 +178,13 @@ impl Metrics {
                 get(&self.sent_through[i])
             );
         }
+        out.push_str("# HELP tablemail_attachment_bytes_sent_total Attachment bytes (before encoding) of the mails sent.\n");
+        out.push_str("# TYPE tablemail_attachment_bytes_sent_total counter\n");
+        let _ = writeln!(
+            out,
+            "tablemail_attachment_bytes_sent_total {}",
+            get(&self.attachment_bytes)
+        );
         out.push_str("# HELP tablemail_log_lines_dropped_total Log lines dropped because stdout did not keep up.\n");
         out.push_str("# TYPE tablemail_log_lines_dropped_total counter\n");
         let _ = writeln!(

@@ -399,6 +399,7 @@ async fn daemons_report_themselves_and_go_silent(db: TestDb) {
         sent_total: 100,
         sent_since,
         failed_since: 2,
+        attachment_bytes_since: 0,
     };
     let (one, two) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
     db.store.heartbeat(&beat(one, 60)).await.unwrap();

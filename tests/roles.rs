@@ -128,6 +128,7 @@ async fn the_readme_roles_are_enough_for_the_application_and_the_daemon() {
             sent_total: 0,
             sent_since: 0,
             failed_since: 1,
+            attachment_bytes_since: 0,
         })
         .await
         .unwrap();

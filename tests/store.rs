@@ -431,6 +431,7 @@ async fn status_counts_and_ages(db: TestDb) {
             sent_total: 3,
             sent_since: 3,
             failed_since: 1,
+            attachment_bytes_since: 0,
         })
         .await
         .unwrap();

@@ -52,5 +52,6 @@ CREATE TABLE tablemail_minute (
     daemon_id CHAR(36)    NOT NULL,
     sent      BIGINT      NOT NULL DEFAULT 0,
     failed    BIGINT      NOT NULL DEFAULT 0,
+    attachment_bytes BIGINT      NOT NULL DEFAULT 0,
     PRIMARY KEY (minute, daemon_id)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;

@@ -65,5 +65,6 @@ CREATE TABLE tablemail_minute (
     daemon_id uuid        NOT NULL,
     sent      bigint      NOT NULL DEFAULT 0,
     failed    bigint      NOT NULL DEFAULT 0,
+    attachment_bytes bigint      NOT NULL DEFAULT 0,
     PRIMARY KEY (minute, daemon_id)
 );

@@ -48,5 +48,6 @@ CREATE TABLE tablemail_minute (
     daemon_id TEXT    NOT NULL,
     sent      INTEGER NOT NULL DEFAULT 0,
     failed    INTEGER NOT NULL DEFAULT 0,
+    attachment_bytes INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (minute, daemon_id)
 );

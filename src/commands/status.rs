@@ -76,6 +76,7 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
             "oldest_due_age_seconds": stats.oldest_due_age_seconds,
             "stale_locks": stats.stale_locks,
             "sent_per_second": object(rates.iter().map(|(k, v)| (k.to_string(), (*v).into())).collect()),
+            "attachment_bytes_sent_15m": stats.attachment_bytes_last_15m,
             "failures_last_hour": failures.json(),
             "retrying_last_hour": waiting.json(),
             "recent_failures": stats.recent_failures,

@@ -275,7 +275,8 @@ SELECT
                            THEN sent END), 0) AS SIGNED) AS sent_1m,
     CAST(COALESCE(SUM(CASE WHEN minute >= DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL 5 MINUTE
                            THEN sent END), 0) AS SIGNED) AS sent_5m,
-    CAST(COALESCE(SUM(sent), 0) AS SIGNED) AS sent_15m
+    CAST(COALESCE(SUM(sent), 0) AS SIGNED) AS sent_15m,
+    CAST(COALESCE(SUM(attachment_bytes), 0) AS SIGNED) AS attachment_bytes_15m
 FROM tablemail_minute
 WHERE minute >= DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL 15 MINUTE
 "#,
@@ -357,9 +358,10 @@ ON DUPLICATE KEY UPDATE
     last_seen = UTC_TIMESTAMP(6), in_flight = VALUES(in_flight), sent = VALUES(sent)
 "#,
     minute_upsert: r#"
-INSERT INTO tablemail_minute (minute, daemon_id, sent, failed)
-VALUES (DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00'), ?, ?, ?)
-ON DUPLICATE KEY UPDATE sent = sent + VALUES(sent), failed = failed + VALUES(failed)
+INSERT INTO tablemail_minute (minute, daemon_id, sent, failed, attachment_bytes)
+VALUES (DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00'), ?, ?, ?, ?)
+ON DUPLICATE KEY UPDATE sent = sent + VALUES(sent), failed = failed + VALUES(failed),
+    attachment_bytes = attachment_bytes + VALUES(attachment_bytes)
 "#,
     daemons_forget:
         "DELETE FROM tablemail_daemon WHERE last_seen < UTC_TIMESTAMP(6) - INTERVAL 1 DAY",

@@ -209,7 +209,8 @@ SELECT
 SELECT
     COALESCE(sum(sent) FILTER (WHERE minute >= date_trunc('minute', now()) - interval '1 minute'), 0)::int8 AS sent_1m,
     COALESCE(sum(sent) FILTER (WHERE minute >= date_trunc('minute', now()) - interval '5 minutes'), 0)::int8 AS sent_5m,
-    COALESCE(sum(sent), 0)::int8 AS sent_15m
+    COALESCE(sum(sent), 0)::int8 AS sent_15m,
+    COALESCE(sum(attachment_bytes), 0)::int8 AS attachment_bytes_15m
 FROM tablemail_minute WHERE minute >= date_trunc('minute', now()) - interval '15 minutes'
 "#,
     recent_failures: portable::RECENT_FAILURES,
@@ -295,10 +296,11 @@ ON CONFLICT (id) DO UPDATE
 SET last_seen = now(), in_flight = excluded.in_flight, sent = excluded.sent
 "#,
     minute_upsert: r#"
-INSERT INTO tablemail_minute (minute, daemon_id, sent, failed)
-VALUES (date_trunc('minute', now()), $1::uuid, $2, $3)
+INSERT INTO tablemail_minute (minute, daemon_id, sent, failed, attachment_bytes)
+VALUES (date_trunc('minute', now()), $1::uuid, $2, $3, $4)
 ON CONFLICT (minute, daemon_id) DO UPDATE
-SET sent = tablemail_minute.sent + excluded.sent, failed = tablemail_minute.failed + excluded.failed
+SET sent = tablemail_minute.sent + excluded.sent, failed = tablemail_minute.failed + excluded.failed,
+    attachment_bytes = tablemail_minute.attachment_bytes + excluded.attachment_bytes
 "#,
     daemons_forget: "DELETE FROM tablemail_daemon WHERE last_seen < now() - interval '1 day'",
     minutes_forget: "DELETE FROM tablemail_minute WHERE minute < now() - interval '1 day'",

@@ -125,9 +125,10 @@ pub struct DaemonBeat {
     /// Mails sent since start.
     pub sent_total: i64,
     /// Mails sent and failed since the last report, counted into the
-    /// current minute.
+    /// current minute, and the attachment bytes of those sent.
     pub sent_since: i64,
     pub failed_since: i64,
+    pub attachment_bytes_since: i64,
 }
 
 /// Mails sent and failed in one minute, by every daemon together.
@@ -213,6 +214,8 @@ pub struct QueueStats {
     pub sent_last_1m: i64,
     pub sent_last_5m: i64,
     pub sent_last_15m: i64,
+    /// Attachment bytes of the mails sent in the last fifteen minutes.
+    pub attachment_bytes_last_15m: i64,
     pub recent_failures: Vec<RecentFailure>,
 }
 

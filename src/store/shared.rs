@@ -56,7 +56,8 @@ pub(crate) struct Queries {
     pub status_counts: &'static str,
     /// ($1 lock timeout) -> `oldest_due`, `stale`.
     pub status_ages: &'static str,
-    /// -> `sent_1m`, `sent_5m`, `sent_15m` from the daemons' minute counts.
+    /// -> `sent_1m`, `sent_5m`, `sent_15m`, `attachment_bytes_15m` from the
+    /// daemons' minute counts.
     pub status_rates: &'static str,
     /// The ten newest failed or unknown rows: `id`, `status`, `processed_at`, `last_error`.
     pub recent_failures: &'static str,
@@ -93,7 +94,8 @@ pub(crate) struct Queries {
     pub summary_columns: &'static str,
     /// ($1 id, $2 host, $3 pid, $4 version, $5 in flight, $6 sent).
     pub daemon_upsert: &'static str,
-    /// ($1 daemon id, $2 sent, $3 failed), into the current minute.
+    /// ($1 daemon id, $2 sent, $3 failed, $4 attachment bytes), into the
+    /// current minute.
     pub minute_upsert: &'static str,
     /// Daemons and minutes not heard of for a day.
     pub daemons_forget: &'static str,

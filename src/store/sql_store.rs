@@ -159,6 +159,7 @@ where
                         sent_last_1m: rates.try_get("sent_1m")?,
                         sent_last_5m: rates.try_get("sent_5m")?,
                         sent_last_15m: rates.try_get("sent_15m")?,
+                        attachment_bytes_last_15m: rates.try_get("attachment_bytes_15m")?,
                         recent_failures,
                     })
                 })
@@ -337,6 +338,7 @@ where
                             .bind(beat.id.to_string())
                             .bind(beat.sent_since)
                             .bind(beat.failed_since)
+                            .bind(beat.attachment_bytes_since)
                             .execute(&mut *c)
                             .await?;
                     }

@@ -227,7 +227,8 @@ SELECT
                       THEN sent END), 0) AS sent_1m,
     coalesce(sum(CASE WHEN minute >= strftime('%Y-%m-%d %H:%M:00.000', 'now', '-5 minutes')
                       THEN sent END), 0) AS sent_5m,
-    coalesce(sum(sent), 0) AS sent_15m
+    coalesce(sum(sent), 0) AS sent_15m,
+    coalesce(sum(attachment_bytes), 0) AS attachment_bytes_15m
 FROM tablemail_minute WHERE minute >= strftime('%Y-%m-%d %H:%M:00.000', 'now', '-15 minutes')
 "#,
     recent_failures: portable::RECENT_FAILURES,
@@ -313,10 +314,11 @@ SET last_seen = strftime('%Y-%m-%d %H:%M:%f', 'now'), in_flight = excluded.in_fl
     sent = excluded.sent
 "#,
     minute_upsert: r#"
-INSERT INTO tablemail_minute (minute, daemon_id, sent, failed)
-VALUES (strftime('%Y-%m-%d %H:%M:00.000', 'now'), ?1, ?2, ?3)
+INSERT INTO tablemail_minute (minute, daemon_id, sent, failed, attachment_bytes)
+VALUES (strftime('%Y-%m-%d %H:%M:00.000', 'now'), ?1, ?2, ?3, ?4)
 ON CONFLICT (minute, daemon_id) DO UPDATE
-SET sent = tablemail_minute.sent + excluded.sent, failed = tablemail_minute.failed + excluded.failed
+SET sent = tablemail_minute.sent + excluded.sent, failed = tablemail_minute.failed + excluded.failed,
+    attachment_bytes = tablemail_minute.attachment_bytes + excluded.attachment_bytes
 "#,
     daemons_forget:
         "DELETE FROM tablemail_daemon WHERE julianday(last_seen) < julianday('now') - 1",

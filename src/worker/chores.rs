@@ -135,7 +135,7 @@ impl Worker {
     /// `status`'s rates and the console's chart). Its row goes when it stops.
     pub(super) async fn heartbeat(self: Arc<Self>, stop: CancellationToken) {
         const EVERY: Duration = Duration::from_secs(5);
-        let mut reported = (0, 0);
+        let mut reported = (0, 0, 0);
         loop {
             let stopping = stop.is_cancelled();
             reported = self.report_daemon(reported).await;
@@ -154,9 +154,11 @@ impl Worker {
 
     /// One report; returns the sent and failed counts it covered (those
     /// before it when the database did not take it).
-    async fn report_daemon(&self, (sent_before, failed_before): (u64, u64)) -> (u64, u64) {
+    async fn report_daemon(&self, before: (u64, u64, u64)) -> (u64, u64, u64) {
+        let (sent_before, failed_before, bytes_before) = before;
         let sent = self.metrics.count(Outcome::Sent);
         let failed = self.metrics.count(Outcome::Failed);
+        let bytes = self.metrics.attachment_bytes();
         let beat = DaemonBeat {
             id: self.daemon_id,
             host: self.message_id_domain.clone(),
@@ -166,12 +168,13 @@ impl Worker {
             sent_total: sent as i64,
             sent_since: (sent - sent_before) as i64,
             failed_since: (failed - failed_before) as i64,
+            attachment_bytes_since: (bytes - bytes_before) as i64,
         };
         match self.store.heartbeat(&beat).await {
-            Ok(()) => (sent, failed),
+            Ok(()) => (sent, failed, bytes),
             Err(e) => {
                 tracing::debug!(error = %e, "daemon report failed");
-                (sent_before, failed_before)
+                before
             }
         }
     }

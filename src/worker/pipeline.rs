@@ -144,6 +144,8 @@ pub(super) struct Done {
     pub(super) relay: Option<&'static str>,
     /// The mail's span, for the outcome's log line.
     pub(super) span: tracing::Span,
+    /// Its attachments' bytes, counted when it is written as sent.
+    pub(super) attachment_bytes: u64,
 }
 
 impl Done {
@@ -467,6 +469,7 @@ impl Worker {
             domains: domains.join(","),
             relay,
             span: ready.span.clone(),
+            attachment_bytes: mail.sizes.attachment_bytes,
         }
     }
 
@@ -549,6 +552,9 @@ impl Worker {
             .map(|d| {
                 let ok = written.contains(&d.id);
                 log_outcome(d, ok);
+                if ok && d.decision.action == FinalAction::Sent {
+                    self.metrics.attachments_sent(d.attachment_bytes);
+                }
                 self.metrics
                     .record(if ok { Some(d.decision.logged) } else { None }, d.send_time);
                 ok
