@@ -86,6 +86,7 @@ fn check(
         body_html: new.body_html.as_deref(),
         headers: headers.as_deref(),
         message_id: new.message_id.as_deref(),
+        attachments: &[],
     };
     mail::prepare(&draft, defaults).map(|_| ())
 }

@@ -70,6 +70,7 @@ fn draft(mail: &QueuedMail) -> mail::Draft<'_> {
         body_html: mail.body_html.as_deref(),
         headers: mail.headers.as_deref(),
         message_id: Some(&mail.message_id),
+        attachments: &[],
     }
 }
 
