@@ -202,7 +202,8 @@ fn the_message_is_allocated_once_at_its_size() {
 
 #[test]
 fn refuses_bad_input_without_sending() {
-    let cases: Vec<(fn(&mut Row), &str)> = vec![
+    type Change = fn(&mut Row);
+    let cases: Vec<(Change, &str)> = vec![
         (
             |r| r.subject = "Hi\r\nBcc: victim@example.com".into(),
             "CR, LF or NUL in subject",
