@@ -341,14 +341,22 @@ pub fn prepare(mail: &Draft<'_>, defaults: &MessageDefaults) -> Result<PreparedM
             .chain(&bcc)
             .chain(&reply_to)
             .any(Mailbox::needs_smtputf8);
-    let mut recipients = Vec::with_capacity(count);
-    let mut seen = HashSet::with_capacity(count);
+    // One RCPT per address: a look through the few, a set for the many.
+    let mut recipients: Vec<Address> = Vec::with_capacity(count);
+    let mut seen: HashSet<(&str, &str)> = HashSet::new();
     let mut domains = BTreeSet::new();
     for mailbox in to.iter().chain(&cc).chain(&bcc) {
-        let address = mailbox.address();
-        if seen.insert(address.to_string()) {
+        let key = (mailbox.local, mailbox.domain.as_ref());
+        let new = if count <= 16 {
+            !recipients
+                .iter()
+                .any(|r| (r.user(), r.domain()) == key)
+        } else {
+            seen.insert(key)
+        };
+        if new {
             domains.insert(mailbox.domain.as_ref());
-            recipients.push(address);
+            recipients.push(mailbox.address());
         }
     }
     let recipient_domains = domains.into_iter().map(str::to_string).collect();
