@@ -51,17 +51,31 @@ impl Out for Vec<u8> {
     }
 }
 
-/// Counts what would be written.
-#[derive(Debug, Default)]
-pub(super) struct Count(pub(super) usize);
+/// Counts what would be written: exactly, or an upper bound when a part is
+/// quoted-printable.
+#[derive(Debug)]
+pub(super) struct Count {
+    pub(super) len: usize,
+    pub(super) exact: bool,
+}
+
+impl Default for Count {
+    fn default() -> Self {
+        Count {
+            len: 0,
+            exact: true,
+        }
+    }
+}
 
 impl Out for Count {
     fn put(&mut self, bytes: &[u8]) {
-        self.0 += bytes.len();
+        self.len += bytes.len();
     }
 
     fn content(&mut self, content: &Content<'_>) {
-        self.0 += content.len();
+        self.len += content.len();
+        self.exact &= content.exact();
     }
 }
 

@@ -1,8 +1,8 @@
 //! A [`Draft`] (a row's columns and its attachments, borrowed) -> the
 //! message's bytes and envelope, written by our own MIME writer in time and
-//! memory linear in the size of the row: the message is sized first, then
-//! written once into a buffer allocated at that size, and DKIM-signed when
-//! configured. Everything refused here is a permanent failure that never
+//! memory linear in the size of the row: the message is sized first (from
+//! one scan of each body), then written once into a buffer allocated at
+//! that size, and DKIM-signed when configured. Everything refused here is a permanent failure that never
 //! opens an SMTP session.
 //!
 //! # Layout
@@ -348,9 +348,7 @@ pub fn prepare(mail: &Draft<'_>, defaults: &MessageDefaults) -> Result<PreparedM
     for mailbox in to.iter().chain(&cc).chain(&bcc) {
         let key = (mailbox.local, mailbox.domain.as_ref());
         let new = if count <= 16 {
-            !recipients
-                .iter()
-                .any(|r| (r.user(), r.domain()) == key)
+            !recipients.iter().any(|r| (r.user(), r.domain()) == key)
         } else {
             seen.insert(key)
         };
@@ -374,17 +372,26 @@ pub fn prepare(mail: &Draft<'_>, defaults: &MessageDefaults) -> Result<PreparedM
         root,
         extra,
     };
+    // Sized first (exactly, or within a few percent when a part is
+    // quoted-printable), then written once into a buffer of that size.
     let mut size = Count::default();
     message.write(&mut size);
-    if size.0 as u64 > max_size {
+    if size.exact && size.len as u64 > max_size {
         return Err(MailError::TooLarge {
-            size: size.0,
+            size: size.len,
             max: max_size,
         });
     }
-    let mut bytes = Vec::with_capacity(size.0);
+    let mut bytes = Vec::with_capacity(size.len);
     message.write(&mut bytes);
-    debug_assert_eq!(bytes.len(), size.0, "sized and written alike");
+    debug_assert!(bytes.len() <= size.len && bytes.capacity() == size.len);
+    debug_assert!(!size.exact || bytes.len() == size.len);
+    if bytes.len() as u64 > max_size {
+        return Err(MailError::TooLarge {
+            size: bytes.len(),
+            max: max_size,
+        });
+    }
 
     let signer = defaults
         .dkim

@@ -197,7 +197,10 @@ fn the_message_is_allocated_once_at_its_size() {
     r.body_html = Some("<p>Grüße</p>\n".repeat(50));
     r.attachments = vec![file("a.bin", "application/octet-stream", &[7; 5000], None)];
     let p = r.build();
-    assert_eq!(p.bytes.capacity(), p.bytes.len());
+    // Written into the buffer sized for it: never grown (quoted-printable
+    // parts are sized by a bound, so the buffer may be a little larger).
+    assert!(p.bytes.capacity() >= p.bytes.len());
+    assert!(p.bytes.capacity() * 100 <= p.bytes.len() * 105);
 }
 
 #[test]
@@ -900,7 +903,7 @@ proptest! {
         let Ok(p) = r.prepare(&defaults) else {
             return Ok(());
         };
-        prop_assert_eq!(p.bytes.capacity(), p.bytes.len());
+        prop_assert!(p.bytes.capacity() >= p.bytes.len());
         if let Err(e) = wire_safe(&p.bytes) {
             prop_assert!(false, "{}", e);
         }
@@ -924,6 +927,15 @@ proptest! {
         got.sort();
         want.sort();
         prop_assert_eq!(got, want);
+        let crlf = |t: &str| t.replace("\r\n", "\n").replace('\r', "\n").replace('\n', "\r\n");
+        if let Some(body) = &r.body {
+            let part = m.text_part(0).unwrap();
+            prop_assert_eq!(part.text_contents().unwrap(), crlf(body));
+        }
+        if let Some(html) = &r.body_html {
+            let part = m.html_part(0).unwrap();
+            prop_assert_eq!(part.text_contents().unwrap(), crlf(html));
+        }
         let sizes: Vec<u64> = r.attachments.iter().map(|a| a.content.len() as u64).collect();
         let least = min_encoded_size(&ColumnSizes {
             subject: r.subject.len() as u64,
