@@ -321,13 +321,13 @@ fn raw_unstructured(value: &str) -> bool {
 /// be, folded at its whitespace; otherwise as encoded-words.
 pub(super) fn unstructured<O: Out>(out: &mut O, name: &str, value: &str) {
     let mut field = Field::new(out, name);
-    if value.is_empty() {
-    } else if raw_unstructured(value) {
+    if raw_unstructured(value) {
         for (ws, word) in words(value) {
             let ws = if ws.is_empty() { " " } else { ws };
             field.word(ws.as_bytes(), &[word.as_bytes()]);
         }
     } else {
+        // Nothing at all for an empty value.
         encoded_words(&mut field, value);
     }
     field.end();
