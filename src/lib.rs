@@ -11,8 +11,9 @@
 //! {smtp, mail, store}`; `config` builds the clients; `metrics` sees outcomes,
 //! never the worker.
 //! - [`store`]: one `Store` interface, SQL per database, shared code once.
-//! - [`mail`]: a draft (a row's columns) -> the message's bytes and envelope,
-//!   validated and, when configured, DKIM-signed.
+//! - [`mail`]: a draft (a row's columns and attachments) -> the message's
+//!   bytes and envelope, by our own linear MIME writer: validated and, when
+//!   configured, DKIM-signed.
 //! - [`smtp`]: the stage-aware SMTP client, its pool and fallback relay, the
 //!   file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.

@@ -1,5 +1,6 @@
 //! Relay operations: the relay probed before a mail finds it down, a fallback
-//! relay, the staging redirect, and a missing sender that never burns mail.
+//! relay, the staging redirect, a missing sender that never burns mail, and a
+//! mail that needs SMTPUTF8 on a relay that does not offer it.
 //! Each test runs the daemon binary against real SMTP servers (aiosmtpd,
 //! smtp-sink) and PostgreSQL, and checks the rows and what the relays received.
 
@@ -535,4 +536,49 @@ async fn a_bad_dkim_key_stops_the_start_with_a_clear_error() {
     );
     assert_eq!(code, 2);
     assert!(err.contains("together"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_ascii_mailbox_needs_a_relay_that_offers_smtputf8() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let plain = SmtpServer::start(&["--no-smtputf8"]);
+    let without = worker(&db, &settings(&db, &plain.url()));
+    let utf8 = db.enqueue(sender(mail("jörg@example.de", "Grüße"))).await;
+    // An internationalized domain goes as A-labels: no SMTPUTF8 needed.
+    let idn = db
+        .enqueue(sender(mail("Jörg <joerg@bücher.example>", "IDN")))
+        .await;
+    let report = without.process_batch().await.unwrap();
+    assert_eq!((report.sent, report.failed), (1, 1));
+    let row = db.row(utf8).await;
+    assert_eq!(row.status, "failed", "permanent, at once");
+    let error = row.last_error.unwrap();
+    assert!(
+        error.starts_with("MAIL FROM: refused by tablemail, not by the relay")
+            && error.contains("SMTPUTF8"),
+        "{error}"
+    );
+    assert_eq!(db.row(idn).await.status, "sent");
+    let attempts = plain.attempts();
+    assert_eq!(
+        attempts.len(),
+        1,
+        "nothing of the refused mail reached DATA"
+    );
+    assert_eq!(attempts[0].rcpt_tos, ["joerg@xn--bcher-kva.example"]);
+    assert_eq!(
+        attempts[0].header("To").as_deref(),
+        Some("=?utf-8?b?SsO2cmc=?= <joerg@xn--bcher-kva.example>")
+    );
+
+    // A relay that offers SMTPUTF8 takes it.
+    let relay = SmtpServer::start(&[]);
+    let with = worker(&db, &settings(&db, &relay.url()));
+    db.enqueue(sender(mail("jörg@example.de", "Grüße"))).await;
+    assert_eq!(with.process_batch().await.unwrap().sent, 1);
+    let got = relay.received();
+    assert_eq!(got[0].rcpt_tos, ["jörg@example.de"]);
+    assert_eq!(got[0].header("To").as_deref(), Some("jörg@example.de"));
 }

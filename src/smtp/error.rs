@@ -140,6 +140,9 @@ pub struct SendError {
     pub reply: Option<Reply>,
     /// Without a reply: what broke (an I/O error, a timeout, a refusal to go on).
     pub detail: String,
+    /// tablemail itself refused to send this mail over this relay (it
+    /// cannot carry it): permanent, and nothing of the mail was sent.
+    pub refused_here: bool,
 }
 
 impl SendError {
@@ -148,6 +151,7 @@ impl SendError {
             stage,
             reply: Some(reply),
             detail: String::new(),
+            refused_here: false,
         }
     }
 
@@ -156,6 +160,18 @@ impl SendError {
             stage,
             reply: None,
             detail: detail.into(),
+            refused_here: false,
+        }
+    }
+
+    /// tablemail will not send the mail over this relay (`detail` says why),
+    /// at `stage`, before a byte of it went out.
+    pub fn refused_here(stage: Stage, detail: impl Into<String>) -> SendError {
+        SendError {
+            stage,
+            reply: None,
+            detail: detail.into(),
+            refused_here: true,
         }
     }
 
@@ -181,6 +197,12 @@ impl SendError {
     /// `last_error`, read back in one place: `worker::outcome::failure_kind`.
     fn describe(&self) -> String {
         match (&self.reply, self.stage) {
+            (None, stage) if self.refused_here => {
+                format!(
+                    "{stage}: refused by tablemail, not by the relay: {}",
+                    self.detail
+                )
+            }
             (Some(reply), stage) => format!("{stage}: {reply}"),
             (None, Stage::AfterDot) => format!("no reply after end of data: {}", self.detail),
             (None, stage) if stage.in_transaction() => format!(
@@ -256,6 +278,11 @@ mod tests {
         );
         let e = SendError::broke(Stage::Connect, "connection refused");
         assert_eq!(e.to_string(), "connect: connection refused");
+        let e = SendError::refused_here(Stage::MailFrom, "no SMTPUTF8");
+        assert_eq!(
+            e.to_string(),
+            "MAIL FROM: refused by tablemail, not by the relay: no SMTPUTF8"
+        );
     }
 
     #[test]

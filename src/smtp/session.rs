@@ -138,6 +138,10 @@ impl SmtpRelay {
                     session.pending = pending;
                     return Ok(delivered);
                 }
+                Err(f) if f.error.refused_here => {
+                    // Nothing was written: the session stays as it was.
+                    return Err(f.error);
+                }
                 Err(f) => {
                     let error = f.error;
                     let not_ours = fresh_retry

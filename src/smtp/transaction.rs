@@ -100,6 +100,15 @@ impl TxFailure {
             pending: None,
         }
     }
+
+    /// Refused by us before anything was written: the session is in step.
+    fn refused(error: SendError) -> TxFailure {
+        TxFailure {
+            error,
+            poisoned: false,
+            pending: None,
+        }
+    }
 }
 
 /// Timeouts of one transaction.
@@ -128,10 +137,10 @@ pub(super) async fn transaction(
     if sent_ahead {
         envelope_replies(conn, limits, None, rcpts, &mut session.stage).await?;
     } else if conn.pipelining {
-        let group = Envelope::of(conn, mail);
+        let group = Envelope::of(conn, mail).map_err(TxFailure::refused)?;
         envelope_replies(conn, limits, Some(&group), rcpts, &mut session.stage).await?;
     } else {
-        let group = Envelope::of(conn, mail);
+        let group = Envelope::of(conn, mail).map_err(TxFailure::refused)?;
         let step = |stage, result: Result<_, StepError>| {
             result.map(|_| ()).map_err(|e| TxFailure::at(stage, e))
         };
@@ -152,9 +161,11 @@ pub(super) async fn transaction(
             timed(limits.command, conn.conn.command(Data)).await,
         )?;
     }
+    // A next mail this relay cannot take does not go ahead: its own
+    // transaction refuses it.
     let ahead = next
         .filter(|_| conn.pipelining)
-        .map(|n| (n.id, Envelope::of(conn, n)));
+        .and_then(|n| Some((n.id, Envelope::of(conn, n).ok()?)));
     session.stage = Stage::Body;
     session.data_mark = Some(conn.reads.get());
     let (sent, ahead) = match std::str::from_utf8(mail.content) {
@@ -256,27 +267,40 @@ struct Envelope {
 }
 
 impl Envelope {
-    fn of(conn: &Connection, mail: Outgoing<'_>) -> Envelope {
+    /// The commands of one mail, or a permanent refusal when the mail needs
+    /// SMTPUTF8 (a non-ASCII local part in the envelope or in a header; the
+    /// message builder writes domains as A-labels and bodies as 7bit,
+    /// quoted-printable or base64) and the relay does not offer it: such a
+    /// relay would mangle or bounce it, so nothing of it is sent.
+    fn of(conn: &Connection, mail: Outgoing<'_>) -> Result<Envelope, SendError> {
         let envelope = mail.envelope;
         let info = conn.conn.server_info();
         let mut params = Vec::new();
         let ascii = |a: &lettre::Address| AsRef::<str>::as_ref(a).is_ascii();
-        let non_ascii =
+        let ascii_content = mail.content.is_ascii();
+        let non_ascii_envelope =
             envelope.from().is_some_and(|a| !ascii(a)) || !envelope.to().iter().all(ascii);
-        if non_ascii && info.supports_feature(Extension::SmtpUtfEight) {
+        if non_ascii_envelope || !ascii_content {
+            if !info.supports_feature(Extension::SmtpUtfEight) {
+                return Err(SendError::refused_here(
+                    Stage::MailFrom,
+                    "the mail has a non-ASCII address (RFC 6531) and the relay does not \
+                     offer SMTPUTF8",
+                ));
+            }
             params.push(MailParameter::SmtpUtfEight);
         }
-        if !mail.content.is_ascii() && info.supports_feature(Extension::EightBitMime) {
+        if !ascii_content && info.supports_feature(Extension::EightBitMime) {
             params.push(MailParameter::Body(MailBodyParameter::EightBitMime));
         }
-        Envelope {
+        Ok(Envelope {
             mail_from: Mail::new(envelope.from().cloned(), params),
             rcpts: envelope
                 .to()
                 .iter()
                 .map(|r| Rcpt::new(r.clone(), vec![]))
                 .collect(),
-        }
+        })
     }
 }
 

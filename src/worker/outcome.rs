@@ -125,6 +125,10 @@ pub enum Class {
 }
 
 pub fn classify(e: &SendError) -> Class {
+    if e.refused_here {
+        // The relay cannot carry this mail (SMTPUTF8 not offered).
+        return Class::Permanent;
+    }
     let reaching_the_relay = !e.stage.in_transaction();
     match e.code() {
         Some(421) => Class::RelayDown,

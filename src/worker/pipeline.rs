@@ -118,12 +118,15 @@ fn build(
     mail::prepare(&draft(mail, content, &parts), defaults)
 }
 
-/// The least a mail can take once encoded: its bodies as they are and its
-/// attachments in base64 (4 octets for 3, and a line break every 76). A
+/// The least a mail can take once encoded, from its stored sizes alone: a
 /// mail over the limit by this count fails before any of it is loaded.
 fn least_encoded_size(sizes: &MailSizes) -> u64 {
-    let base64 = sizes.attachment_bytes.div_ceil(3) * 4;
-    sizes.bodies + base64 + base64 / 76 * 2
+    let attachments = [sizes.attachment_bytes];
+    mail::min_encoded_size(&mail::ColumnSizes {
+        body: sizes.bodies,
+        attachments: if sizes.attachments > 0 { &attachments } else { &[] },
+        ..mail::ColumnSizes::default()
+    })
 }
 
 /// One mail's fate, on its way to the group commit.

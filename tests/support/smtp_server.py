@@ -22,7 +22,7 @@ serves every case of a test:
 Server-wide options: --auth USER:PASS (AUTH required), --tls CERT KEY (offer
 STARTTLS), --implicit-tls CERT KEY (TLS from the first byte), --throttle-file
 PATH (while PATH exists, every RCPT is answered 421 4.7.0: the whole relay
-throttles).
+throttles), --no-smtputf8 (SMTPUTF8 not offered in the EHLO reply).
 
 Prints "PORT <n>" on stdout once it listens.
 """
@@ -134,6 +134,7 @@ def main():
     p.add_argument("--tls", nargs=2)
     p.add_argument("--implicit-tls", nargs=2)
     p.add_argument("--throttle-file")
+    p.add_argument("--no-smtputf8", action="store_true")
     args = p.parse_args()
     # Failed handshakes and rejected logins are what the tests provoke.
     logging.getLogger("mail.log").setLevel(logging.CRITICAL)
@@ -144,7 +145,7 @@ def main():
     open(args.out + ".attempts", "a").close()
     open(args.out + ".auth", "a").close()
 
-    kwargs = {"hostname": "testrelay.example", "enable_SMTPUTF8": True}
+    kwargs = {"hostname": "testrelay.example", "enable_SMTPUTF8": not args.no_smtputf8}
     if args.tls:
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.load_cert_chain(*args.tls)

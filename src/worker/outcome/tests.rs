@@ -162,6 +162,12 @@ fn the_failure_table() {
             RelaySignal::Quiet,
         ),
         (
+            "refused by tablemail: the relay lacks SMTPUTF8",
+            Attempt::Failed(SendError::refused_here(Stage::MailFrom, "needs SMTPUTF8")),
+            "failed",
+            RelaySignal::Quiet,
+        ),
+        (
             "invalid address",
             Attempt::Invalid(MailError::NoRecipient),
             "failed",
