@@ -124,7 +124,11 @@ fn least_encoded_size(sizes: &MailSizes) -> u64 {
     let attachments = [sizes.attachment_bytes];
     mail::min_encoded_size(&mail::ColumnSizes {
         body: sizes.bodies,
-        attachments: if sizes.attachments > 0 { &attachments } else { &[] },
+        attachments: if sizes.attachments > 0 {
+            &attachments
+        } else {
+            &[]
+        },
         ..mail::ColumnSizes::default()
     })
 }
