@@ -8,15 +8,18 @@
 //!
 //! # Layout
 //! Read bottom-up; the arrows run one way: `main -> commands -> worker ->
-//! {smtp, mail, store}`; `config` builds the clients; `metrics` sees outcomes,
-//! never the worker.
+//! {smtp, mail, store}`; `config` builds the clients; `metrics` and `http`
+//! see outcomes and snapshots, never the worker.
 //! - [`store`]: one `Store` interface, SQL per database, shared code once.
 //! - [`mail`]: a draft (a row's columns) -> the message's bytes and envelope,
 //!   validated and, when configured, DKIM-signed.
 //! - [`smtp`]: the stage-aware SMTP client, its pool and fallback relay, the
 //!   file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.
-//! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
+//! - [`metrics`]: outcome counters, relay health, the text of `/metrics` and
+//!   `/healthz`.
+//! - [`http`]: axum serving `/metrics`, `/healthz` and the operator console,
+//!   from a snapshot read on a database connection of its own.
 //! - [`worker`]: the pipeline (claim -> send -> group commit), the outcome
 //!   policy, the relay gate, throttling, and the chores beside them.
 //! - [`config`]: `Settings`: defaults < file < `TABLEMAIL__*` environment.
@@ -31,6 +34,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod dkim;
+pub mod http;
 pub mod mail;
 pub mod metrics;
 pub mod shutdown;
