@@ -1,4 +1,5 @@
-//! Running tablemail in production: /metrics and /healthz over HTTP, the
+//! Running tablemail in production: /metrics and /healthz over HTTP (the
+//! console and the scrape storm are in tests/console.rs), the
 //! systemd notify protocol, the operator's commands, the sending pace, and
 //! the packaging (systemd unit, Dockerfile) checked with the real tools.
 
@@ -79,8 +80,20 @@ async fn metrics_and_health_over_http() {
     })
     .await;
 
+    // The queue's figures come from a snapshot read every few seconds.
+    eventually(
+        "the snapshot to see the rows",
+        Duration::from_secs(15),
+        || async {
+            let metrics = http_get(port, "/metrics").1;
+            sample(&metrics, r#"tablemail_queue_rows{status="sent"}"#) == Some(5.0)
+        },
+    )
+    .await;
     let (status, metrics) = http_get(port, "/metrics");
     assert_eq!(status, 200);
+    let age = sample(&metrics, "tablemail_snapshot_age_seconds").unwrap();
+    assert!((0.0..=15.0).contains(&age), "{metrics}");
     assert_eq!(
         sample(&metrics, r#"tablemail_mails_total{outcome="sent"}"#),
         Some(5.0),

@@ -7,11 +7,12 @@ use chrono::{DateTime, DurationRound, TimeDelta, Utc};
 
 use crate::store::MinuteCount;
 
-pub const WIDTH: u32 = 720;
-pub const HEIGHT: u32 = 220;
-/// Room for the scale on the left and the times below.
+pub const WIDTH: u32 = 1000;
+pub const HEIGHT: u32 = 240;
+/// Room for the scale on the left, the last time on the right, the times
+/// below.
 const LEFT: f64 = 44.0;
-const RIGHT: f64 = 8.0;
+const RIGHT: f64 = 24.0;
 const TOP: f64 = 10.0;
 const BOTTOM: f64 = 26.0;
 
