@@ -151,6 +151,76 @@ async fn metrics_and_health_over_http() {
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 }
 
+/// `/healthz` answers from the snapshot: a database that stops answering
+/// (its connections silent, no reset) turns it to 503 within seconds, and
+/// it comes back when the database answers again; the probe never waits for
+/// the database itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_follows_a_database_that_goes_silent() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&[]);
+    let authority = db
+        .url
+        .split("://")
+        .nth(1)
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap();
+    let pg_port: u16 = authority.rsplit(':').next().unwrap().parse().unwrap();
+    let proxy = support::proxy::Proxy::start(pg_port).await;
+    let proxied = db
+        .url
+        .replacen(&format!(":{pg_port}/"), &format!(":{}/", proxy.port), 1);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut env = daemon_env(
+        &db,
+        &smtp.url(),
+        &[
+            ("TABLEMAIL__METRICS__LISTEN", &listen),
+            ("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT", "2s"),
+        ],
+    );
+    env.push(("TABLEMAIL__DATABASE__URL".into(), proxied));
+    let mut daemon = Daemon::start(env);
+    eventually("healthy", Duration::from_secs(20), || async {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && http_get(port, "/healthz").0 == 200
+    })
+    .await;
+    proxy.blackhole();
+    eventually(
+        "503: database unreachable",
+        Duration::from_secs(25),
+        || async {
+            let started = std::time::Instant::now();
+            let (status, body) = http_get(port, "/healthz");
+            // Answered from the snapshot, not after a query's deadline.
+            assert!(
+                started.elapsed() < Duration::from_secs(4),
+                "{:?}",
+                started.elapsed()
+            );
+            status == 503 && body.contains("database: unreachable")
+        },
+    )
+    .await;
+    assert_eq!(
+        sample(&http_get(port, "/metrics").1, "tablemail_database_up"),
+        Some(0.0)
+    );
+    // New connections get through again.
+    eventually("healthy again", Duration::from_secs(40), || async {
+        http_get(port, "/healthz").0 == 200
+    })
+    .await;
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(20)).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn systemd_hears_ready_watchdog_and_stopping() {
     let Some(db) = TestDb::postgres().await else {
