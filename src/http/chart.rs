@@ -121,15 +121,15 @@ pub fn per_minute(minutes: &[MinuteCount], now: DateTime<Utc>, span: u32) -> Cha
             label: v.to_string(),
         })
         .collect::<Vec<_>>();
-    let times = (0..=4)
-        .map(|quarter| {
-            let minutes_ago = span - span * quarter / 4;
-            let at = this_minute - TimeDelta::minutes(minutes_ago - 1);
-            Tick {
-                x: tenth(LEFT + plot_width * quarter as f64 / 4.0),
-                y: HEIGHT as f64 - 8.0,
-                label: at.format("%H:%M").to_string(),
-            }
+    // Under the first, the last and three minutes between.
+    let times = [0, span / 4, span / 2, span * 3 / 4, span - 1]
+        .iter()
+        .map(|index| Tick {
+            x: tenth(LEFT + (*index as f64 + 0.5) * slot),
+            y: HEIGHT as f64 - 8.0,
+            label: (first + TimeDelta::minutes(*index))
+                .format("%H:%M")
+                .to_string(),
         })
         .collect();
     Chart {
