@@ -12,7 +12,8 @@
 //! - [`snapshot`]: the figures and the task that keeps them fresh.
 //! - [`auth`]: token login, sessions, CSRF: who may retry and cancel.
 //! - [`chart`]: sent and failed per minute as the shapes of an inline SVG.
-//! - `console`: the pages, templates compiled in (`templates/`).
+//! - `console`: the pages (overview, mails, login), templates compiled in
+//!   (`templates/`).
 
 pub mod auth;
 pub mod chart;

@@ -123,11 +123,6 @@ impl Snapshots {
         }
     }
 
-    /// The current snapshot, without asking for a refresh (tests, logs).
-    pub fn peek(&self) -> Arc<Snapshot> {
-        self.current.borrow().clone()
-    }
-
     fn asked_within(&self, window: Duration) -> bool {
         let asked = Duration::from_millis(self.asked_ms.load(Ordering::Relaxed));
         self.born.elapsed().saturating_sub(asked) <= window
