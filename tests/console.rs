@@ -316,6 +316,8 @@ async fn retry_and_cancel_need_a_login_and_the_csrf_token() {
     let cookie = login(port);
     let page = http::get(port, &format!("/mails/{failed}"), Some(&cookie));
     assert!(page.body.contains("id=\"retry\""), "{}", page.body);
+    // Logged in, the content still waits to be asked for.
+    assert!(!page.body.contains("BODY-SECRET") && !page.body.contains("rcpt451-busy@"));
     let csrf = csrf_of(&page.body);
     let retry = format!("/mails/{failed}/retry");
     // A forged form: the session's cookie, but no or a wrong CSRF token, or
