@@ -43,6 +43,7 @@ pub struct Settings {
     pub log: LogSettings,
     pub metrics: MetricsSettings,
     pub dkim: DkimSettings,
+    pub console: ConsoleSettings,
 }
 
 /// DKIM signing of mails from `domain` (and below it); off unless all three
@@ -315,6 +316,53 @@ pub struct MetricsSettings {
     pub listen: Option<String>,
 }
 
+/// The operator console (DESIGN §9): off unless `listen` is set, read-only
+/// unless a token is.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct ConsoleSettings {
+    /// Address of the console, e.g. `127.0.0.1:9899`; none by default. It may
+    /// be `metrics.listen`'s: then one listener serves both.
+    pub listen: Option<String>,
+    /// A file holding the operator token that unlocks retry and cancel, read
+    /// like `transport.password_file` (a relative path is looked up in
+    /// `$CREDENTIALS_DIRECTORY` first).
+    pub token_file: Option<PathBuf>,
+    /// The operator token itself; `token_file` is preferred.
+    pub token: Option<SecretString>,
+}
+
+/// A console token shorter than this is refused: it is all that stands
+/// between the network and retry/cancel.
+pub const CONSOLE_TOKEN_MIN_LEN: usize = 16;
+
+impl ConsoleSettings {
+    /// The operator token from `token` or `token_file`; `None`: read-only.
+    pub fn token(&self) -> Result<Option<SecretString>> {
+        let token = match (&self.token, &self.token_file) {
+            (Some(token), _) => token.clone(),
+            (None, Some(path)) => read_credential("console.token_file", path)?,
+            (None, None) => return Ok(None),
+        };
+        let key = if self.token.is_some() {
+            "console.token"
+        } else {
+            "console.token_file"
+        };
+        let length = token.expose_secret().trim().chars().count();
+        if length < CONSOLE_TOKEN_MIN_LEN {
+            return Err(ConfigError::Invalid {
+                key,
+                reason: format!(
+                    "the token must be at least {CONSOLE_TOKEN_MIN_LEN} characters \
+                     (e.g. `openssl rand -hex 32`)"
+                ),
+            });
+        }
+        Ok(Some(token))
+    }
+}
+
 /// A byte count written as `25MB`, `512KiB` or a bare number of bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ByteSize(pub u64);
@@ -552,6 +600,19 @@ impl Settings {
                 .parse::<std::net::SocketAddr>()
                 .map_err(|e| invalid("metrics.listen", format!("`{listen}`: {e}")))?;
         }
+        if let Some(listen) = &self.console.listen {
+            listen
+                .parse::<std::net::SocketAddr>()
+                .map_err(|e| invalid("console.listen", format!("`{listen}`: {e}")))?;
+        }
+        if self.console.token.is_some() && self.console.token_file.is_some() {
+            return Err(invalid(
+                "console.token_file",
+                "set either console.token or console.token_file, not both",
+            ));
+        }
+        // Read now, so that a missing or short token stops the start (exit 2).
+        self.console.token()?;
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", e.to_string()))?;
         Ok(())
@@ -898,6 +959,56 @@ mod tests {
         assert_eq!(account_name("/etc/passwd", 0), "root");
         assert_eq!(account_name("/etc/passwd", 4_000_000_000), "4000000000");
         assert!(effective_ids().is_some());
+    }
+
+    #[test]
+    fn the_console_token_comes_from_a_file_or_the_key() {
+        let s = Settings::load_from(None, env(&[])).unwrap();
+        assert!(s.console.listen.is_none());
+        assert!(s.console.token().unwrap().is_none(), "read-only by default");
+        let dir = std::env::temp_dir().join(format!("tm-console-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("console-token");
+        std::fs::write(&file, "0123456789abcdef0123\n").unwrap();
+        let path = file.display().to_string();
+        let s = Settings::load_from(
+            None,
+            env(&[
+                ("TABLEMAIL__CONSOLE__LISTEN", "127.0.0.1:9899"),
+                ("TABLEMAIL__CONSOLE__TOKEN_FILE", &path),
+            ]),
+        )
+        .unwrap();
+        let token = s.console.token().unwrap().unwrap();
+        assert_eq!(token.expose_secret(), "0123456789abcdef0123");
+        assert!(!format!("{s:?}").contains("0123456789abcdef0123"));
+        for (pairs, key) in [
+            (
+                vec![("TABLEMAIL__CONSOLE__TOKEN", "short")],
+                "console.token: the token must be at least 16",
+            ),
+            (
+                vec![
+                    ("TABLEMAIL__CONSOLE__TOKEN", "0123456789abcdef0123"),
+                    ("TABLEMAIL__CONSOLE__TOKEN_FILE", path.as_str()),
+                ],
+                "console.token_file: set either",
+            ),
+            (
+                vec![("TABLEMAIL__CONSOLE__TOKEN_FILE", "/nonexistent/token")],
+                "console.token_file: cannot read /nonexistent/token",
+            ),
+            (
+                vec![("TABLEMAIL__CONSOLE__LISTEN", "anywhere")],
+                "console.listen",
+            ),
+        ] {
+            let err = Settings::load_from(None, env(&pairs))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(key), "{err}");
+        }
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]

@@ -8,8 +8,8 @@
 //!
 //! # Layout
 //! Read bottom-up; the arrows run one way: `main -> commands -> worker ->
-//! {smtp, mail, store}`; `config` builds the clients; `metrics` sees outcomes,
-//! never the worker.
+//! {smtp, mail, store}`; `config` builds the clients; `metrics` and `http`
+//! see outcomes and snapshots, never the worker.
 //! - [`store`]: one `Store` interface, SQL per database, shared code once.
 //! - [`mail`]: a draft (a row's columns and attachments) -> the message's
 //!   bytes and envelope, by our own linear MIME writer: validated and, when
@@ -17,7 +17,10 @@
 //! - [`smtp`]: the stage-aware SMTP client, its pool and fallback relay, the
 //!   file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.
-//! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
+//! - [`metrics`]: outcome counters, relay health, the text of `/metrics` and
+//!   `/healthz`.
+//! - [`http`]: axum serving `/metrics`, `/healthz` and the operator console,
+//!   from a snapshot read on a database connection of its own.
 //! - [`worker`]: the pipeline (claim -> send -> group commit), the outcome
 //!   policy, the relay gate, throttling, and the chores beside them.
 //! - [`config`]: `Settings`: defaults < file < `TABLEMAIL__*` environment.
@@ -32,6 +35,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod dkim;
+pub mod http;
 pub mod mail;
 pub mod metrics;
 pub mod shutdown;

@@ -1,25 +1,17 @@
 //! What operators scrape: counters of outcomes, a send-latency histogram, the
-//! relay and database state, queue depth; served as Prometheus text on
-//! `/metrics`, with `/healthz` answering whether the database and the relay
-//! can be reached. A small HTTP/1.1 responder on `metrics.listen`: two
-//! read-only paths do not need a web framework.
+//! relay and database state, queue depth, as Prometheus text (`/metrics`),
+//! and whether the database and the relay can be reached (`/healthz`). The
+//! counters are live; the queue's figures come from the snapshot that
+//! [`crate::http`] refreshes on a connection of its own, so a scrape never
+//! runs a query. [`crate::http`] serves both.
 
 use std::{
     fmt::Write as _,
-    sync::{
-        atomic::{AtomicU64, Ordering},
-        Arc,
-    },
+    sync::atomic::{AtomicU64, Ordering},
     time::Duration,
 };
 
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::{TcpListener, TcpStream},
-};
-use tokio_util::sync::CancellationToken;
-
-use crate::{smtp::Role, store::Store};
+use crate::{smtp::Role, store::QueueStats};
 
 /// Upper bounds of the send-latency histogram, in seconds.
 const LATENCY_BUCKETS: [f64; 12] = [
@@ -220,82 +212,11 @@ impl Metrics {
     }
 }
 
-/// Serves `/metrics` and `/healthz` until `stop` fires.
-pub async fn serve(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    store: Arc<dyn Store>,
-    lock_timeout: Duration,
-    stop: CancellationToken,
-) {
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = stop.cancelled() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(accepted) => accepted,
-                Err(e) => {
-                    tracing::warn!(error = %e, "metrics: accept failed");
-                    tokio::time::sleep(Duration::from_millis(100)).await;
-                    continue;
-                }
-            },
-        };
-        let (metrics, store) = (metrics.clone(), store.clone());
-        tokio::spawn(async move {
-            let answer = tokio::time::timeout(
-                Duration::from_secs(10),
-                respond(stream, &metrics, store.as_ref(), lock_timeout),
-            );
-            let _ = answer.await;
-        });
-    }
-}
-
-async fn respond(
-    mut stream: TcpStream,
-    metrics: &Metrics,
-    store: &dyn Store,
-    lock_timeout: Duration,
-) -> std::io::Result<()> {
-    let mut request = Vec::with_capacity(512);
-    let mut buf = [0u8; 512];
-    while !request.windows(4).any(|w| w == b"\r\n\r\n") && !request.windows(2).any(|w| w == b"\n\n")
-    {
-        let n = stream.read(&mut buf).await?;
-        if n == 0 || request.len() > 8192 {
-            break;
-        }
-        request.extend_from_slice(&buf[..n]);
-    }
-    let head = String::from_utf8_lossy(&request);
-    let mut words = head.split_whitespace();
-    let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
-    let (status, body) = match (method, path) {
-        ("GET", "/metrics") => ("200 OK", metrics_text(metrics, store, lock_timeout).await),
-        ("GET", "/healthz") => health(metrics, store).await,
-        ("GET", _) => ("404 Not Found", "not found\n".to_string()),
-        _ => ("405 Method Not Allowed", "GET only\n".to_string()),
-    };
-    let content_type = if path == "/metrics" {
-        "text/plain; version=0.0.4; charset=utf-8"
-    } else {
-        "text/plain; charset=utf-8"
-    };
-    let response = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(response.as_bytes()).await?;
-    stream.shutdown().await
-}
-
-/// 200 while the database answers, the relay is not known to be down and
-/// the configuration lets mail go; 503 otherwise, a line saying why.
-async fn health(metrics: &Metrics, store: &dyn Store) -> (&'static str, String) {
-    let database = matches!(
-        tokio::time::timeout(Duration::from_secs(2), store.ping()).await,
-        Ok(Ok(()))
-    );
+/// What `/healthz` answers, from the last snapshot (`database`: it answered
+/// the last refresh, lately), what the worker knows of the relay, and the
+/// configuration faults that stop mail (no sender, AUTH without TLS):
+/// healthy while all are fine; the body says why not.
+pub fn health(metrics: &Metrics, database: bool) -> (bool, String) {
     let trouble = metrics.relay_trouble();
     let relay = trouble.is_none();
     let mut body = format!(
@@ -310,14 +231,18 @@ async fn health(metrics: &Metrics, store: &dyn Store) -> (&'static str, String) 
     for fault in &faults {
         let _ = writeln!(body, "configuration: {fault}");
     }
-    if database && relay && faults.is_empty() {
-        ("200 OK", body)
-    } else {
-        ("503 Service Unavailable", body)
-    }
+    (database && relay && faults.is_empty(), body)
 }
 
-async fn metrics_text(metrics: &Metrics, store: &dyn Store, lock_timeout: Duration) -> String {
+/// The Prometheus text of `/metrics`: the counters, live, and the queue's
+/// gauges from the snapshot (`queue`: the last one the database answered;
+/// `database`: it answered lately; `age`: how old the queue's figures are).
+pub fn exposition(
+    metrics: &Metrics,
+    queue: Option<&QueueStats>,
+    database: bool,
+    age: Option<Duration>,
+) -> String {
     let mut out = String::with_capacity(4096);
     metrics.render_counters(&mut out);
     out.push_str(
@@ -329,15 +254,21 @@ async fn metrics_text(metrics: &Metrics, store: &dyn Store, lock_timeout: Durati
         "tablemail_relay_up {}",
         u8::from(metrics.relay_trouble().is_none())
     );
-    let stats = tokio::time::timeout(Duration::from_secs(5), store.stats(lock_timeout)).await;
-    let stats = match stats {
-        Ok(Ok(stats)) => Some(stats),
-        _ => None,
-    };
-    out.push_str("# HELP tablemail_database_up 1 if the queue could be read for this scrape.\n");
+    out.push_str("# HELP tablemail_database_up 1 if the database answered the last refresh of the queue's figures.\n");
     out.push_str("# TYPE tablemail_database_up gauge\n");
-    let _ = writeln!(out, "tablemail_database_up {}", u8::from(stats.is_some()));
-    if let Some(stats) = stats {
+    let _ = writeln!(out, "tablemail_database_up {}", u8::from(database));
+    if let Some(age) = age {
+        out.push_str(
+            "# HELP tablemail_snapshot_age_seconds How old the queue's figures below are.\n",
+        );
+        out.push_str("# TYPE tablemail_snapshot_age_seconds gauge\n");
+        let _ = writeln!(
+            out,
+            "tablemail_snapshot_age_seconds {:.3}",
+            age.as_secs_f64()
+        );
+    }
+    if let Some(stats) = queue {
         out.push_str("# HELP tablemail_queue_rows Rows of mail_queue by status.\n");
         out.push_str("# TYPE tablemail_queue_rows gauge\n");
         for status in [

@@ -1,4 +1,5 @@
-//! Running tablemail in production: /metrics and /healthz over HTTP, the
+//! Running tablemail in production: /metrics and /healthz over HTTP (the
+//! console and the scrape storm are in tests/console.rs), the
 //! systemd notify protocol, the operator's commands, the sending pace, and
 //! the packaging (systemd unit, Dockerfile) checked with the real tools.
 
@@ -79,8 +80,20 @@ async fn metrics_and_health_over_http() {
     })
     .await;
 
+    // The queue's figures come from a snapshot read every few seconds.
+    eventually(
+        "the snapshot to see the rows",
+        Duration::from_secs(15),
+        || async {
+            let metrics = http_get(port, "/metrics").1;
+            sample(&metrics, r#"tablemail_queue_rows{status="sent"}"#) == Some(5.0)
+        },
+    )
+    .await;
     let (status, metrics) = http_get(port, "/metrics");
     assert_eq!(status, 200);
+    let age = sample(&metrics, "tablemail_snapshot_age_seconds").unwrap();
+    assert!((0.0..=15.0).contains(&age), "{metrics}");
     assert_eq!(
         sample(&metrics, r#"tablemail_mails_total{outcome="sent"}"#),
         Some(5.0),
@@ -136,6 +149,76 @@ async fn metrics_and_health_over_http() {
 
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+}
+
+/// `/healthz` answers from the snapshot: a database that stops answering
+/// (its connections silent, no reset) turns it to 503 within seconds, and
+/// it comes back when the database answers again; the probe never waits for
+/// the database itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn healthz_follows_a_database_that_goes_silent() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&[]);
+    let authority = db
+        .url
+        .split("://")
+        .nth(1)
+        .unwrap()
+        .split('/')
+        .next()
+        .unwrap();
+    let pg_port: u16 = authority.rsplit(':').next().unwrap().parse().unwrap();
+    let proxy = support::proxy::Proxy::start(pg_port).await;
+    let proxied = db
+        .url
+        .replacen(&format!(":{pg_port}/"), &format!(":{}/", proxy.port), 1);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut env = daemon_env(
+        &db,
+        &smtp.url(),
+        &[
+            ("TABLEMAIL__METRICS__LISTEN", &listen),
+            ("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT", "2s"),
+        ],
+    );
+    env.push(("TABLEMAIL__DATABASE__URL".into(), proxied));
+    let mut daemon = Daemon::start(env);
+    eventually("healthy", Duration::from_secs(20), || async {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            && http_get(port, "/healthz").0 == 200
+    })
+    .await;
+    proxy.blackhole();
+    eventually(
+        "503: database unreachable",
+        Duration::from_secs(25),
+        || async {
+            let started = std::time::Instant::now();
+            let (status, body) = http_get(port, "/healthz");
+            // Answered from the snapshot, not after a query's deadline.
+            assert!(
+                started.elapsed() < Duration::from_secs(4),
+                "{:?}",
+                started.elapsed()
+            );
+            status == 503 && body.contains("database: unreachable")
+        },
+    )
+    .await;
+    assert_eq!(
+        sample(&http_get(port, "/metrics").1, "tablemail_database_up"),
+        Some(0.0)
+    );
+    // New connections get through again.
+    eventually("healthy again", Duration::from_secs(40), || async {
+        http_get(port, "/healthz").0 == 200
+    })
+    .await;
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(20)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::{
     config::Settings,
-    mail, metrics, shutdown,
+    http, mail, shutdown,
     store::Store,
     systemd,
     telemetry::redact_addresses,
@@ -93,9 +93,10 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
     if settings.database.migrate {
         store.migrate().await?;
     }
+    let transport = Arc::new(transport);
     let worker = Worker::new(
         store.clone(),
-        Arc::new(transport),
+        transport.clone(),
         settings.worker.clone(),
         settings.retention.clone(),
         defaults,
@@ -104,19 +105,36 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
     for fault in faults {
         worker.metrics().config_fault(fault);
     }
-    if let Some(listen) = &settings.metrics.listen {
-        let listener = tokio::net::TcpListener::bind(listen)
+    if settings.metrics.listen.is_some() || settings.console.listen.is_some() {
+        // A pool of one connection of its own: scrapes and console pages
+        // never wait for a connection the claims need.
+        let mut database = settings.database.clone();
+        database.max_connections = 1;
+        let snapshot_store = database
+            .connect()
             .await
-            .map_err(|e| CommandError::Runtime(format!("metrics.listen {listen}: {e}")))?;
-        tracing::info!(listen = %listen, "serving /metrics and /healthz");
-        let serving = metrics::serve(
-            listener,
-            worker.metrics(),
-            store,
+            .map_err(|e| CommandError::Usage(format!("database.url: {e}")))?;
+        let token = settings
+            .console
+            .token()
+            .map_err(|e| CommandError::Usage(e.to_string()))?;
+        http::start(
+            http::Endpoints {
+                metrics: settings.metrics.listen.clone(),
+                console: settings.console.listen.clone(),
+                token,
+            },
+            http::Observed {
+                metrics: worker.metrics(),
+                transport,
+                snapshots: http::Snapshots::new(),
+            },
+            snapshot_store,
             settings.worker.lock_timeout,
             cancel.clone(),
-        );
-        tokio::spawn(serving);
+        )
+        .await
+        .map_err(|e| CommandError::Runtime(e.to_string()))?;
     }
     // Migrated, and the database answered: ready to work.
     systemd::notify("READY=1");

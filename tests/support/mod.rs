@@ -2,7 +2,9 @@
 //! to both, and polling with a deadline.
 #![allow(dead_code)]
 
+pub mod http;
 pub mod proxy;
+pub mod webdriver;
 
 use std::{
     future::Future,
