@@ -221,8 +221,9 @@ mod tests {
         let snapshot = snapshots.latest().await;
         assert!(snapshot.refreshed.is_none());
         assert!(started.elapsed() >= WAIT_FOR_FRESH);
-        snapshots.wake.notified().await; // the wake-up it left
-                                         // A refresh arriving while it waits is what it answers.
+        // The wake-up it left.
+        snapshots.wake.notified().await;
+        // A refresh arriving while it waits is what it answers.
         let waiting = {
             let snapshots = snapshots.clone();
             tokio::spawn(async move { snapshots.latest().await })
