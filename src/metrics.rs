@@ -271,14 +271,7 @@ pub fn exposition(
     if let Some(stats) = queue {
         out.push_str("# HELP tablemail_queue_rows Rows of mail_queue by status.\n");
         out.push_str("# TYPE tablemail_queue_rows gauge\n");
-        for status in [
-            "queued",
-            "sending",
-            "sent",
-            "failed",
-            "cancelled",
-            "unknown",
-        ] {
+        for status in crate::store::STATUSES {
             let count = stats.count(status);
             let _ = writeln!(out, "tablemail_queue_rows{{status=\"{status}\"}} {count}");
         }

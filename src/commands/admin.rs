@@ -2,7 +2,10 @@
 //! `check`.
 
 use crate::{
-    cli::RetryArgs, config::Settings, smtp::Role, store::RetrySelection,
+    cli::RetryArgs,
+    config::Settings,
+    smtp::Role,
+    store::{RetrySelection, RETRY_ATTEMPTS},
     telemetry::redact_addresses,
 };
 
@@ -21,7 +24,7 @@ pub(super) async fn retry(settings: &Settings, args: RetryArgs) -> Result<()> {
         None => RetrySelection::AllFailed,
     };
     let store = connect(settings).await?;
-    let n = store.retry(which, 5).await?;
+    let n = store.retry(which, RETRY_ATTEMPTS).await?;
     println!("{n} mails queued again");
     if n == 0 {
         if let RetrySelection::Id(id) = which {

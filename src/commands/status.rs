@@ -9,7 +9,7 @@ use crate::{
     cli::ShowArgs,
     config::Settings,
     smtp::{Role, Transport},
-    store::{MailLookup, MailRecord},
+    store::{MailLookup, MailRecord, STATUSES},
     telemetry::redact_addresses,
     worker::outcome::failure_label,
 };
@@ -46,9 +46,10 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
     // for a 421 counts 37 here.
     let (mut failures, mut waiting) = (Tally::default(), Tally::default());
     for group in store.failure_groups(Duration::from_secs(3600)).await? {
-        let tally = match group.outcome.as_str() {
-            "failed" | "unknown" | "stale" => &mut failures,
-            _ => &mut waiting,
+        let tally = if group.ended_the_mail() {
+            &mut failures
+        } else {
+            &mut waiting
         };
         tally.add(
             failure_label(group.stage.as_deref(), group.smtp_code),
@@ -90,14 +91,7 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
         return Ok(());
     }
     println!("tablemail queue ({})", store.backend());
-    for s in [
-        "queued",
-        "sending",
-        "sent",
-        "failed",
-        "unknown",
-        "cancelled",
-    ] {
+    for s in STATUSES {
         let note = match s {
             "queued" => match stats.oldest_due_age_seconds {
                 Some(age) => format!(

@@ -54,7 +54,7 @@ pub use new_mail::{Enqueued, NewAttachment, NewMail, DEFAULT_CONTENT_TYPE};
 pub use records::{
     AttachmentInfo, DaemonBeat, DaemonRow, EventRow, FailureGroup, Finished, MailFilter,
     MailLookup, MailRecord, MailSummary, Maintenance, MinuteCount, QueueStats, RecentFailure,
-    RetrySelection, StatusCount, SILENT_AFTER_SECONDS,
+    RetrySelection, StatusCount, RETRY_ATTEMPTS, SILENT_AFTER_SECONDS, STATUSES,
 };
 
 /// The database a `database.url` points at.

@@ -110,6 +110,28 @@ pub struct DaemonRow {
     pub silent: bool,
 }
 
+/// The statuses a row can have, in the order operators read them.
+pub const STATUSES: [&str; 6] = [
+    "queued",
+    "sending",
+    "sent",
+    "failed",
+    "unknown",
+    "cancelled",
+];
+
+/// Fresh attempts a mail gets when an operator retries it (`tablemail
+/// retry`, the console's retry button).
+pub const RETRY_ATTEMPTS: i32 = 5;
+
+impl FailureGroup {
+    /// The attempts of this group ended their mail (failed, unknown, or the
+    /// worker was lost on the last attempt); the others put it off.
+    pub fn ended_the_mail(&self) -> bool {
+        matches!(self.outcome.as_str(), "failed" | "unknown" | "stale")
+    }
+}
+
 /// A daemon reports every few seconds; after this long without a report it
 /// is marked silent.
 pub const SILENT_AFTER_SECONDS: i64 = 30;

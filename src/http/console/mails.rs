@@ -338,27 +338,7 @@ pub(super) async fn retry(
     Path(id): Path<i64>,
     form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
-    let session = match console.auth.authorize(&headers, csrf_of(&form)) {
-        Ok(session) => session,
-        Err(refusal) => return console.refused(refusal, console.auth.session(&headers).as_ref()),
-    };
-    match console
-        .store
-        .retry(RetrySelection::Id(id), RETRY_ATTEMPTS)
-        .await
-    {
-        Ok(0) => console.message(
-            StatusCode::CONFLICT,
-            Some(&session),
-            "Not retried",
-            format!("mail {id} is not failed or unknown"),
-        ),
-        Ok(_) => {
-            tracing::info!(mail_id = id, "console: mail retried");
-            Redirect::to(&format!("/mails/{id}")).into_response()
-        }
-        Err(e) => console.database_error(Some(&session), e),
-    }
+    act(&console, &headers, id, &form, Action::Retry).await
 }
 
 pub(super) async fn cancel(
@@ -367,19 +347,56 @@ pub(super) async fn cancel(
     Path(id): Path<i64>,
     form: Result<Form<ActionForm>, FormRejection>,
 ) -> Response {
-    let session = match console.auth.authorize(&headers, csrf_of(&form)) {
+    act(&console, &headers, id, &form, Action::Cancel).await
+}
+
+/// What an operator's POST does to a mail.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    /// failed or unknown -> queued, with fresh attempts.
+    Retry,
+    /// queued -> cancelled.
+    Cancel,
+}
+
+/// Does `action` to mail `id` for a logged-in operator whose form carries
+/// the session's CSRF token; refuses anyone else, changing nothing.
+async fn act(
+    console: &Console,
+    headers: &HeaderMap,
+    id: i64,
+    form: &Result<Form<ActionForm>, FormRejection>,
+    action: Action,
+) -> Response {
+    let session = match console.auth.authorize(headers, csrf_of(form)) {
         Ok(session) => session,
-        Err(refusal) => return console.refused(refusal, console.auth.session(&headers).as_ref()),
+        Err(refusal) => return console.refused(refusal, console.auth.session(headers).as_ref()),
     };
-    match console.store.cancel(id).await {
+    let done = match action {
+        Action::Retry => {
+            console
+                .store
+                .retry(RetrySelection::Id(id), RETRY_ATTEMPTS)
+                .await
+        }
+        Action::Cancel => console.store.cancel(id).await,
+    };
+    let (title, not_now) = match action {
+        Action::Retry => ("Not retried", "is not failed or unknown"),
+        Action::Cancel => ("Not cancelled", "is not queued"),
+    };
+    match done {
         Ok(0) => console.message(
             StatusCode::CONFLICT,
             Some(&session),
-            "Not cancelled",
-            format!("mail {id} is not queued"),
+            title,
+            format!("mail {id} {not_now}"),
         ),
         Ok(_) => {
-            tracing::info!(mail_id = id, "console: mail cancelled");
+            match action {
+                Action::Retry => tracing::info!(mail_id = id, "console: mail retried"),
+                Action::Cancel => tracing::info!(mail_id = id, "console: mail cancelled"),
+            }
             Redirect::to(&format!("/mails/{id}")).into_response()
         }
         Err(e) => console.database_error(Some(&session), e),

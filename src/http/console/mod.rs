@@ -40,6 +40,7 @@ use crate::{
     smtp::Role,
     store::{
         AttachmentInfo, MailFilter, MailLookup, MailRecord, MailSummary, RetrySelection, Store,
+        RETRY_ATTEMPTS, STATUSES,
     },
     telemetry::redact_addresses,
     worker::outcome::failure_label,
@@ -47,19 +48,6 @@ use crate::{
 
 /// Mails per page of the list.
 const PAGE: usize = 50;
-/// Fresh attempts a retried mail gets (as `tablemail retry`).
-const RETRY_ATTEMPTS: i32 = 5;
-/// The statuses a row can have, in the order the pages list them.
-const STATUSES: [&str; 6] = [
-    "queued",
-    "sending",
-    "sent",
-    "failed",
-    "unknown",
-    "cancelled",
-];
-/// Outcomes of the history that ended a mail (the rest put it off).
-const FINAL_OUTCOMES: [&str; 3] = ["failed", "unknown", "stale"];
 
 /// Every page of the console is answered with these: no script, no frame,
 /// nothing fetched, forms only to the console itself, not kept in caches.

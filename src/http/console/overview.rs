@@ -74,7 +74,7 @@ fn group_views(snapshot: &Snapshot) -> Vec<GroupView> {
             outcome: g.outcome.clone(),
             count: g.count,
             example: redacted(&g.example),
-            final_outcome: FINAL_OUTCOMES.contains(&g.outcome.as_str()),
+            final_outcome: g.ended_the_mail(),
         })
         .collect()
 }
