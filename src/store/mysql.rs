@@ -18,7 +18,7 @@ use super::{
     dialect::{Dialect, SqlStore},
     insert::{insert_attachments, insert_columns, insert_query},
     migrations::MYSQL,
-    rows::{self, finalize_json, held_json, locks_json},
+    rows::{self, finalize_json, held_json, inline_columns, locks_json},
     shared::{self, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail,
     Result, StaleRow,
@@ -115,20 +115,6 @@ macro_rules! content_bytes {
     };
 }
 
-/// A text column, only when the row is within the inline limit (`p.lim`).
-macro_rules! inline {
-    ($column:literal, $expr:literal) => {
-        concat!(
-            "CASE WHEN ",
-            content_bytes!(),
-            " <= p.lim THEN ",
-            $expr,
-            " END AS ",
-            $column
-        )
-    };
-}
-
 // The claimed rows with their sizes; the text columns only of rows within
 // the inline limit (the first parameter).
 const READ_BACK: &str = concat!(
@@ -146,25 +132,11 @@ SELECT id, priority, attempts, attempts_remaining, relay_down_count, message_id,
        "#,
     content_bytes!(),
     " <= p.lim AS inline, ",
-    inline!("from_name", "from_name"),
-    ", ",
-    inline!("from_address", "from_address"),
-    ", ",
-    inline!("to_address", "to_address"),
-    ", ",
-    inline!("cc", "cc"),
-    ", ",
-    inline!("bcc", "bcc"),
-    ", ",
-    inline!("reply_to", "reply_to"),
-    ", ",
-    inline!("subject", "subject"),
-    ", ",
-    inline!("body", "body"),
-    ", ",
-    inline!("body_html", "body_html"),
-    ", ",
-    inline!("headers", "CAST(headers AS CHAR)"),
+    inline_columns!(
+        concat!(content_bytes!(), " <= p.lim"),
+        "",
+        "CAST(headers AS CHAR)"
+    ),
     r#"
 FROM mail_queue AS m CROSS JOIN (SELECT ? AS lim, ? AS max_age) AS p
 WHERE m.id IN "#

@@ -19,7 +19,7 @@ use super::{
     dialect::{Dialect, SqlStore},
     insert::{self, Param},
     migrations::POSTGRES,
-    rows,
+    rows::{self, inline_columns},
     shared::{self, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
     QueuedMail, Result, StaleRow, StoreError,
@@ -76,7 +76,8 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // text columns come along only for rows within the inline limit ($6): the
 // CTE keeps large values as TOAST pointers, which the outer SELECT never
 // reads for the others.
-const CLAIM: &str = r#"
+const CLAIM: &str = concat!(
+    r#"
 WITH claimed AS (
     UPDATE mail_queue AS m
     SET status = 'sending',
@@ -92,16 +93,9 @@ SELECT c.id, c.priority, c.attempts, c.attempts_remaining, c.relay_down_count, c
        GREATEST(c.created_at, c.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
        s.content_bytes, s.body_bytes, a.attachment_count, a.attachment_bytes,
        s.content_bytes <= $6 AS inline,
-       CASE WHEN s.content_bytes <= $6 THEN c.from_name END AS from_name,
-       CASE WHEN s.content_bytes <= $6 THEN c.from_address END AS from_address,
-       CASE WHEN s.content_bytes <= $6 THEN c.to_address END AS to_address,
-       CASE WHEN s.content_bytes <= $6 THEN c.cc END AS cc,
-       CASE WHEN s.content_bytes <= $6 THEN c.bcc END AS bcc,
-       CASE WHEN s.content_bytes <= $6 THEN c.reply_to END AS reply_to,
-       CASE WHEN s.content_bytes <= $6 THEN c.subject END AS subject,
-       CASE WHEN s.content_bytes <= $6 THEN c.body END AS body,
-       CASE WHEN s.content_bytes <= $6 THEN c.body_html END AS body_html,
-       CASE WHEN s.content_bytes <= $6 THEN c.headers::text END AS headers
+       "#,
+    inline_columns!("s.content_bytes <= $6", "c.", "c.headers::text"),
+    r#"
 FROM claimed AS c
 CROSS JOIN LATERAL (
     SELECT (COALESCE(octet_length(c.body), 0) + COALESCE(octet_length(c.body_html), 0))::int8
@@ -118,7 +112,8 @@ CROSS JOIN LATERAL (
            COALESCE(sum(octet_length(x.content)), 0)::int8 AS attachment_bytes
     FROM mail_attachment AS x WHERE x.mail_id = c.id
 ) AS a
-"#;
+"#
+);
 
 /// The group commit's UPDATE. The outcomes come sorted by id: rows are
 /// locked in the same order as lock renewal locks them.

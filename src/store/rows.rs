@@ -12,6 +12,68 @@ use super::{
     RecentFailure, StaleRow, StatusCount,
 };
 
+/// The text columns a claim returns, each NULL unless the row fits the
+/// inline limit: `$fits` is the SQL condition that says so, `$p` the prefix
+/// of the columns (`"c."` or `""`), `$headers` how the database reads
+/// `headers` as text.
+macro_rules! inline_columns {
+    ($fits:expr, $p:literal, $headers:literal) => {
+        concat!(
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "from_name END AS from_name, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "from_address END AS from_address, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "to_address END AS to_address, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "cc END AS cc, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "bcc END AS bcc, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "reply_to END AS reply_to, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "subject END AS subject, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "body END AS body, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "body_html END AS body_html, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $headers,
+            " END AS headers"
+        )
+    };
+}
+pub(crate) use inline_columns;
+
 /// A value every statement here can bind on `DB`.
 pub(crate) trait Bind<DB: Database>: for<'q> Encode<'q, DB> + Type<DB> {}
 

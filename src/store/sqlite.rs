@@ -20,7 +20,7 @@ use super::{
     dialect::{Dialect, SqlStore},
     insert::{self, Param},
     migrations::SQLITE,
-    rows::{self, finalize_json, held_json, locks_json},
+    rows::{self, finalize_json, held_json, inline_columns, locks_json},
     shared::{self, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail,
     Result, StaleRow,
@@ -71,20 +71,6 @@ macro_rules! content_bytes {
     };
 }
 
-/// A text column, only when the row is within the inline limit (?6).
-macro_rules! inline {
-    ($column:literal) => {
-        concat!(
-            "CASE WHEN ",
-            content_bytes!(),
-            " <= ?6 THEN ",
-            $column,
-            " END AS ",
-            $column
-        )
-    };
-}
-
 // INDEXED BY: the claim walks the pending index in claim order and stops after
 // the batch, whatever `ANALYZE` found (with statistics that saw few queued rows
 // SQLite would rather scan and sort).
@@ -116,25 +102,7 @@ RETURNING id, priority, attempts, attempts_remaining, relay_down_count, message_
     "#,
     content_bytes!(),
     " <= ?6 AS inline, ",
-    inline!("from_name"),
-    ", ",
-    inline!("from_address"),
-    ", ",
-    inline!("to_address"),
-    ", ",
-    inline!("cc"),
-    ", ",
-    inline!("bcc"),
-    ", ",
-    inline!("reply_to"),
-    ", ",
-    inline!("subject"),
-    ", ",
-    inline!("body"),
-    ", ",
-    inline!("body_html"),
-    ", ",
-    inline!("headers"),
+    inline_columns!(concat!(content_bytes!(), " <= ?6"), "", "headers"),
 );
 
 // NOT INDEXED (here and in RENEW): the rows are found through their rowid, one
