@@ -27,6 +27,7 @@ for_each_backend!(
     large_rows_are_claimed_without_their_content,
     attachments_are_loaded_in_order_and_go_with_their_mail,
     errors_say_what_to_do,
+    a_large_group_commit_writes_every_outcome,
 );
 
 fn claim(limit: usize) -> Claim<'static> {
@@ -740,4 +741,57 @@ async fn errors_say_what_to_do(db: TestDb) {
         "{down:?}"
     );
     assert_eq!(down.summary(), "database unavailable");
+}
+
+/// A group commit larger than one statement carries (it goes in several,
+/// in one transaction) writes every outcome and every history row.
+async fn a_large_group_commit_writes_every_outcome(db: TestDb) {
+    use tablemail::store::{Event, EventOutcome};
+    let mails: Vec<NewMail> = (0..300)
+        .map(|i| mail(&format!("u{i}@example.com"), "x"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    let batch = claimed(&db, 300).await;
+    assert_eq!(batch.len(), 300);
+    let writes: Vec<Finalize> = batch
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            if i % 2 == 0 {
+                let mut w = finalize(m, FinalAction::Sent);
+                w.relay_reply = Some(format!("250 2.0.0 Ok: queued as {:0>40}", m.id));
+                w
+            } else {
+                let mut w = finalize(
+                    m,
+                    FinalAction::Retry {
+                        delay: Duration::from_secs(60),
+                        error: format!("RCPT TO: 451 4.3.0 {}", "busy ".repeat(20)),
+                        relay_down: false,
+                    },
+                );
+                w.event = Some(Event {
+                    attempt: m.attempts,
+                    outcome: EventOutcome::Retry,
+                    stage: Some("rcpt"),
+                    smtp_code: Some(451),
+                    detail: None,
+                });
+                w
+            }
+        })
+        .collect();
+    let written = db.store.finalize(&writes).await.unwrap();
+    assert_eq!(written.len(), 300);
+    assert_eq!(
+        db.count("status = 'sent' AND relay_reply IS NOT NULL")
+            .await,
+        150
+    );
+    assert_eq!(db.count("status = 'queued'").await, 150);
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM mail_event WHERE outcome = 'retry'")
+            .await,
+        150
+    );
 }

@@ -16,6 +16,7 @@ use sqlx::{
 
 use super::{
     dialect::{Dialect, SqlStore},
+    finalize::{wire_chunks, STATEMENT_BUDGET},
     insert::{insert_attachments, insert_columns, insert_query},
     migrations::MYSQL,
     rows::{self, finalize_json, held_json, inline_columns, locks_json},
@@ -405,8 +406,6 @@ impl Dialect for MySql {
         ids.sort_unstable();
         let expected: std::collections::HashMap<i64, String> =
             writes.iter().map(|w| (w.id, w.lock.to_string())).collect();
-        let json = finalize_json(&writes);
-        let events = writes.iter().any(|w| w.event.is_some());
         let mut tx = c.begin().await?;
         // Lock the rows first, in id order, and see which are still ours
         // (MariaDB's UPDATE reports no row ids).
@@ -421,15 +420,28 @@ impl Dialect for MySql {
                 written.push(id);
             }
         }
-        if !written.is_empty() {
+        // One statement per chunk of JSON small enough for the wire (each
+        // outcome about 180 bytes of JSON besides its texts).
+        let ours: std::collections::HashSet<i64> = written.iter().copied().collect();
+        let writes: Vec<Finalize> = writes
+            .into_iter()
+            .filter(|w| ours.contains(&w.id))
+            .collect();
+        for chunk in wire_chunks(writes, STATEMENT_BUDGET, 180) {
+            let json = finalize_json(&chunk);
             sqlx::query(FINALIZE)
                 .bind(json.clone())
                 .execute(&mut *tx)
                 .await?;
-            if events {
-                let sql = format!("{FINALIZE_EVENTS}{}", in_list(written.len()));
+            let with_history: Vec<i64> = chunk
+                .iter()
+                .filter(|w| w.event.is_some())
+                .map(|w| w.id)
+                .collect();
+            if !with_history.is_empty() {
+                let sql = format!("{FINALIZE_EVENTS}{}", in_list(with_history.len()));
                 let insert = sqlx::query(AssertSqlSafe(sql)).bind(json);
-                bind_ids(insert, &written).execute(&mut *tx).await?;
+                bind_ids(insert, &with_history).execute(&mut *tx).await?;
             }
         }
         tx.commit().await?;

@@ -17,6 +17,7 @@ use uuid::Uuid;
 
 use super::{
     dialect::{Dialect, SqlStore},
+    finalize::{wire_chunks, STATEMENT_BUDGET},
     insert::{self, Param},
     migrations::POSTGRES,
     rows::{self, inline_columns},
@@ -341,38 +342,22 @@ impl Dialect for Postgres {
 
     async fn finalize(
         c: &mut PgConnection,
-        mut writes: Vec<Finalize>,
+        writes: Vec<Finalize>,
     ) -> Result<Vec<i64>, sqlx::Error> {
-        writes.sort_unstable_by_key(|w| w.id);
-        let cols = FinalizeArrays::of(&writes);
-        let has_events = !cols.events.ids.is_empty();
-        let sql = if has_events {
-            FINALIZE_WITH_EVENTS
-        } else {
-            FINALIZE
-        };
-        let mut query = sqlx::query(sql)
-            .bind(cols.ids)
-            .bind(cols.locks)
-            .bind(cols.statuses)
-            .bind(cols.delays)
-            .bind(cols.errors)
-            .bind(cols.refunds)
-            .bind(cols.processed)
-            .bind(cols.relay_down)
-            .bind(cols.relay_replies);
-        if has_events {
-            let e = cols.events;
-            query = query
-                .bind(e.ids)
-                .bind(e.attempts)
-                .bind(e.outcomes)
-                .bind(e.stages)
-                .bind(e.codes)
-                .bind(e.details);
+        // Binary arrays: ids, lock, status, delay, flags, with their length
+        // words, and the event's columns.
+        let mut chunks = wire_chunks(writes, STATEMENT_BUDGET, 110);
+        if chunks.len() == 1 {
+            return finalize_chunk(c, chunks.pop().expect("one chunk")).await;
         }
-        let rows = query.fetch_all(c).await?;
-        rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
+        // In id order, chunk after chunk: rows are locked in one order.
+        let mut tx = sqlx::Connection::begin(c).await?;
+        let mut written = Vec::new();
+        for chunk in chunks {
+            written.extend(finalize_chunk(&mut tx, chunk).await?);
+        }
+        tx.commit().await?;
+        Ok(written)
     }
 
     async fn renew_locks(
@@ -449,7 +434,42 @@ impl Dialect for Postgres {
     }
 }
 
-/// The arrays FINALIZE unnests, in id order.
+/// One statement of outcomes (`writes` in id order).
+async fn finalize_chunk(
+    c: &mut PgConnection,
+    writes: Vec<Finalize>,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let cols = FinalizeArrays::of(&writes);
+    let has_events = !cols.events.ids.is_empty();
+    let sql = if has_events {
+        FINALIZE_WITH_EVENTS
+    } else {
+        FINALIZE
+    };
+    let mut query = sqlx::query(sql)
+        .bind(cols.ids)
+        .bind(cols.locks)
+        .bind(cols.statuses)
+        .bind(cols.delays)
+        .bind(cols.errors)
+        .bind(cols.refunds)
+        .bind(cols.processed)
+        .bind(cols.relay_down)
+        .bind(cols.relay_replies);
+    if has_events {
+        let e = cols.events;
+        query = query
+            .bind(e.ids)
+            .bind(e.attempts)
+            .bind(e.outcomes)
+            .bind(e.stages)
+            .bind(e.codes)
+            .bind(e.details);
+    }
+    let rows = query.fetch_all(c).await?;
+    rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
+}
+
 struct FinalizeArrays {
     ids: Vec<i64>,
     locks: Vec<Uuid>,
