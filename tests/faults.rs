@@ -299,6 +299,30 @@ async fn auth_rejected_needs_an_operator(db: TestDb) {
         ("queued", 0, 5)
     );
     assert!(smtp.received().is_empty());
+    // Tried, not merely left alone: a step with the wrong password claims
+    // the row, the relay refuses AUTH, the attempt comes back, and the
+    // history says so.
+    let mut s = settings(&db, &smtp.url());
+    s.transport.username = Some("mailer".into());
+    s.transport.password = Some(secrecy::SecretString::from("wrong-secret-pw"));
+    s.transport.allow_plaintext_auth = true;
+    let report = worker(&db, &s).process_batch().await.unwrap();
+    assert_eq!((report.claimed, report.released), (1, 1), "{report:?}");
+    refunded(&db, id).await;
+    let record = db
+        .store
+        .find_mail(&tablemail::store::MailLookup::Id(id), false)
+        .await
+        .unwrap()
+        .unwrap();
+    let last = record
+        .events
+        .last()
+        .expect("a history row for the refused try");
+    assert_eq!(
+        (last.outcome.as_str(), last.stage.as_deref()),
+        ("released", Some("auth"))
+    );
 
     // The right password, from a credentials file, goes through.
     let dir = TempDir::new();
