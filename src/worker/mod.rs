@@ -8,6 +8,7 @@
 //! decided by one pure function, [`outcome::decide`].
 //!
 //! - [`pipeline`]: the lanes, the group commit, the drain.
+//! - [`ready`]: a claimed row loaded and built into its message.
 //! - [`queue`]: the claimed rows waiting for a lane.
 //! - [`report`]: one log line per outcome, in the mail's span.
 //! - [`outcome`]: the outcome policy (DESIGN §2).
@@ -26,6 +27,7 @@ pub mod outcome;
 pub mod pace;
 mod pipeline;
 mod queue;
+mod ready;
 pub mod relay;
 mod report;
 pub mod retry;

@@ -1,0 +1,200 @@
+//! A claimed row made ready to send: a mail too large by its stored sizes
+//! fails before any of it is read; the columns of a large row and its
+//! attachments are loaded, one mail at a time per lane, within the daemon's
+//! memory budget (the claim brought only the small rows' columns); the
+//! message is built, on the blocking pool when it is large or signed.
+
+use std::panic::AssertUnwindSafe;
+
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::Instrument;
+
+use crate::{
+    mail::{self, MailError, MessageDefaults, PreparedMail},
+    smtp::Outgoing,
+    store::{Attachment, MailContent, MailSizes, QueuedMail},
+};
+
+use super::{
+    outcome::{Attempt, Hold},
+    report::{mail_span, panic_text},
+    Worker,
+};
+
+/// Bodies up to this size (text and HTML together) are built on the lane's
+/// own thread when no signature is needed.
+const BUILD_IN_PLACE_LIMIT: u64 = 64 * 1024;
+
+/// A claimed row with its message built, or the reason it cannot be.
+pub(super) struct Ready {
+    pub(super) mail: QueuedMail,
+    pub(super) prepared: Result<PreparedMail, Attempt>,
+    /// The unit of work: every log line about this mail, from its build to
+    /// its outcome, is inside it (`mail_id`, `lock`, `attempt`).
+    pub(super) span: tracing::Span,
+    /// The share of the memory budget its loaded content takes, given back
+    /// when the mail is done with.
+    _memory: Option<OwnedSemaphorePermit>,
+}
+
+impl Ready {
+    /// A row that is not tried now.
+    pub(super) fn held(mail: QueuedMail, why: Attempt) -> Ready {
+        Ready {
+            span: mail_span(&mail),
+            mail,
+            prepared: Err(why),
+            _memory: None,
+        }
+    }
+
+    pub(super) fn outgoing(&self) -> Option<Outgoing<'_>> {
+        self.prepared.as_ref().ok().map(|p| Outgoing {
+            id: self.mail.id,
+            envelope: &p.envelope,
+            content: &p.bytes,
+        })
+    }
+}
+
+/// What the message of a claimed row is built from.
+fn draft<'a>(
+    mail: &'a QueuedMail,
+    content: &'a MailContent,
+    attachments: &'a [mail::Attachment<'a>],
+) -> mail::Draft<'a> {
+    mail::Draft {
+        from_name: content.from_name.as_deref(),
+        from_address: content.from_address.as_deref(),
+        to_address: &content.to_address,
+        cc: content.cc.as_deref(),
+        bcc: content.bcc.as_deref(),
+        reply_to: content.reply_to.as_deref(),
+        subject: &content.subject,
+        body: content.body.as_deref(),
+        body_html: content.body_html.as_deref(),
+        headers: content.headers.as_deref(),
+        message_id: Some(&mail.message_id),
+        attachments,
+    }
+}
+
+/// Builds the message of a row whose columns are at hand.
+fn build(
+    mail: &QueuedMail,
+    content: &MailContent,
+    attachments: &[Attachment],
+    defaults: &MessageDefaults,
+) -> Result<PreparedMail, MailError> {
+    let parts: Vec<mail::Attachment<'_>> = attachments
+        .iter()
+        .map(|a| mail::Attachment {
+            filename: &a.filename,
+            content_type: &a.content_type,
+            content: &a.content,
+            content_id: a.content_id.as_deref(),
+        })
+        .collect();
+    mail::prepare(&draft(mail, content, &parts), defaults)
+}
+
+/// The least a mail can take once encoded, from its stored sizes alone: a
+/// mail over the limit by this count fails before any of it is loaded.
+fn least_encoded_size(sizes: &MailSizes) -> u64 {
+    let attachments = [sizes.attachment_bytes];
+    mail::min_encoded_size(&mail::ColumnSizes {
+        body: sizes.bodies,
+        attachments: if sizes.attachments > 0 {
+            &attachments
+        } else {
+            &[]
+        },
+        ..mail::ColumnSizes::default()
+    })
+}
+
+impl Worker {
+    /// Builds a row's message, or finds it cannot be sent. A mail too large
+    /// by its stored size fails before any of it is read. The columns of a
+    /// large row and every attachment are loaded now, one mail at a time per
+    /// lane, within the daemon's memory budget; the claim brought only the
+    /// small rows' columns. A DKIM signature (an RSA signature is about a
+    /// millisecond of CPU) and a large mail are built on the blocking pool,
+    /// so that they never hold up the lanes' network work on the async
+    /// threads; a small unsigned mail takes microseconds and is built in
+    /// place.
+    pub(super) async fn ready(&self, mail: QueuedMail) -> Ready {
+        let span = mail_span(&mail);
+        let mut ready = self.build(mail).instrument(span.clone()).await;
+        ready.span = span;
+        ready
+    }
+
+    async fn build(&self, mut mail: QueuedMail) -> Ready {
+        if mail.expired {
+            return Ready::held(mail, Attempt::Expired);
+        }
+        let least = least_encoded_size(&mail.sizes);
+        if least > self.defaults.max_message_size {
+            let too_large = MailError::TooLarge {
+                size: least as usize,
+                max: self.defaults.max_message_size,
+            };
+            return Ready::held(mail, Attempt::Invalid(too_large));
+        }
+        let memory = match mail.content.is_none() || mail.sizes.attachments > 0 {
+            true => Some(self.memory.take(&mail.sizes).await),
+            false => None,
+        };
+        let content = match mail.content.take() {
+            Some(content) => content,
+            None => match self.store.load_content(mail.id, mail.lock).await {
+                Ok(Some(content)) => content,
+                Ok(None) => return Ready::held(mail, Attempt::Held(Hold::LockLost)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not load the mail");
+                    return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
+                }
+            },
+        };
+        let attachments = match mail.sizes.attachments {
+            0 => Vec::new(),
+            _ => match self.store.load_attachments(mail.id).await {
+                Ok(attachments) => attachments,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not load the attachments");
+                    return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
+                }
+            },
+        };
+        let large = mail.sizes.content + mail.sizes.attachment_bytes >= BUILD_IN_PLACE_LIMIT;
+        if self.defaults.dkim.is_none() && !large {
+            let prepared =
+                build(&mail, &content, &attachments, &self.defaults).map_err(Attempt::Invalid);
+            return Ready {
+                mail,
+                prepared,
+                span: tracing::Span::none(),
+                _memory: memory,
+            };
+        }
+        let defaults = self.defaults.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                build(&mail, &content, &attachments, &defaults)
+            }))
+            .unwrap_or_else(|panic| Err(MailError::Build(panic_text(&panic))));
+            (mail, prepared)
+        })
+        .await;
+        // Panics are caught inside; a build is cancelled only when the runtime
+        // itself goes away, and the lanes with it.
+        let (mail, prepared) = built.expect("the blocking pool outlives the lanes");
+        Ready {
+            mail,
+            prepared: prepared.map_err(Attempt::Invalid),
+            span: tracing::Span::none(),
+            _memory: memory,
+        }
+    }
+}
