@@ -14,10 +14,12 @@
 //! - [`chart`]: sent and failed per minute as the shapes of an inline SVG.
 //! - `console`: the pages (overview, mails, login), templates compiled in
 //!   (`templates/`).
+//! - [`limit`]: at most 64 HTTP connections, each for a minute at most.
 
 pub mod auth;
 pub mod chart;
 mod console;
+pub mod limit;
 pub mod snapshot;
 
 use std::{sync::Arc, time::Duration};
@@ -78,6 +80,7 @@ pub async fn start(
     let bind = |key: &'static str, address: String| async move {
         TcpListener::bind(&address)
             .await
+            .map(limit::Limited::new)
             .map_err(|source| HttpError::Bind {
                 key,
                 address,
@@ -141,7 +144,7 @@ pub async fn start(
     Ok(())
 }
 
-async fn serve(listener: TcpListener, router: Router, stop: CancellationToken) {
+async fn serve(listener: limit::Limited, router: Router, stop: CancellationToken) {
     let serving = axum::serve(listener, router).with_graceful_shutdown(stop.cancelled_owned());
     if let Err(e) = serving.await {
         tracing::warn!(error = %e, "http: serving stopped");
