@@ -73,47 +73,31 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 }
 
 // `tablemail_due` (migration 0003) picks the rows in index order whatever the
-// statistics say; the rows are then updated through the primary key. The
-// text columns come along only for rows within the inline limit ($6): the
-// CTE keeps large values as TOAST pointers, which the outer SELECT never
-// reads for the others.
+// statistics say, with the size of each row's text; the rows are then
+// updated through the primary key. The text columns come along only for rows
+// within the inline limit ($6).
 const CLAIM: &str = concat!(
     r#"
-WITH claimed AS (
-    UPDATE mail_queue AS m
-    SET status = 'sending',
-        thread_lock = $2::uuid,
-        locked_at = now(),
-        attempts = m.attempts + 1,
-        attempts_remaining = m.attempts_remaining - 1,
-        message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
-    WHERE m.id = ANY(ARRAY(SELECT tablemail_due($1::int)))
-    RETURNING m.*
-)
-SELECT c.id, c.priority, c.attempts, c.attempts_remaining, c.relay_down_count, c.message_id,
-       GREATEST(c.created_at, c.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
-       s.content_bytes, s.body_bytes, a.attachment_count, a.attachment_bytes,
-       s.content_bytes <= $6 AS inline,
-       "#,
-    inline_columns!("s.content_bytes <= $6", "c.", "c.headers::text"),
-    r#"
-FROM claimed AS c
-CROSS JOIN LATERAL (
-    SELECT (COALESCE(octet_length(c.body), 0) + COALESCE(octet_length(c.body_html), 0))::int8
-               AS body_bytes,
-           (COALESCE(octet_length(c.body), 0) + COALESCE(octet_length(c.body_html), 0)
-            + COALESCE(octet_length(c.from_name), 0) + COALESCE(octet_length(c.from_address), 0)
-            + octet_length(c.to_address) + COALESCE(octet_length(c.cc), 0)
-            + COALESCE(octet_length(c.bcc), 0) + COALESCE(octet_length(c.reply_to), 0)
-            + octet_length(c.subject) + COALESCE(pg_column_size(c.headers), 0))::int8
-               AS content_bytes
-) AS s
-CROSS JOIN LATERAL (
-    SELECT count(*)::int8 AS attachment_count,
-           COALESCE(sum(octet_length(x.content)), 0)::int8 AS attachment_bytes
-    FROM mail_attachment AS x WHERE x.mail_id = c.id
-) AS a
-"#
+UPDATE mail_queue AS m
+SET status = 'sending',
+    thread_lock = $2::uuid,
+    locked_at = now(),
+    attempts = m.attempts + 1,
+    attempts_remaining = m.attempts_remaining - 1,
+    message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
+FROM tablemail_due($1::int) AS d
+WHERE m.id = d.id
+RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count, m.message_id,
+    GREATEST(m.created_at, m.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
+    d.content_bytes,
+    (COALESCE(octet_length(m.body), 0) + COALESCE(octet_length(m.body_html), 0))::int8
+        AS body_bytes,
+    (SELECT count(*) FROM mail_attachment AS x WHERE x.mail_id = m.id) AS attachment_count,
+    (SELECT COALESCE(sum(octet_length(x.content)), 0)::int8 FROM mail_attachment AS x
+      WHERE x.mail_id = m.id) AS attachment_bytes,
+    d.content_bytes <= $6 AS inline,
+    "#,
+    inline_columns!("d.content_bytes <= $6", "m.", "m.headers::text"),
 );
 
 /// The group commit's UPDATE. The outcomes come sorted by id: rows are
