@@ -34,8 +34,8 @@ CREATE TABLE mail_event (
     -- retry, failed, unknown, deferred, released, stale, retried, cancelled
     outcome   text        NOT NULL,
     -- How far the attempt got: connect, greeting, ehlo, starttls, auth, mail,
-    -- rcpt, data, dot (the reply to "."), or what stopped it before the relay
-    -- (message, config, throttle, queue, lock, operator).
+    -- rcpt, data, body, dot (the reply to "."), or what stopped it before
+    -- the relay (message, config, throttle, queue, lock, operator, refused).
     stage     text,
     smtp_code integer,
     -- The relay's reply or the error.

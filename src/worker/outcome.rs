@@ -315,6 +315,9 @@ pub fn history(
 pub fn stage_key(attempt: &Attempt) -> Option<&'static str> {
     match attempt {
         Attempt::Delivered(_) => Some(Stage::AfterDot.key()),
+        // Not the relay's answer: the relay cannot carry this mail (no
+        // SMTPUTF8 for a non-ASCII address), and nothing of it went out.
+        Attempt::Failed(e) if e.refused_here => Some("refused"),
         Attempt::Failed(e) => Some(e.stage.key()),
         Attempt::CutOff { stage, .. } => Some(stage.key()),
         Attempt::Invalid(MailError::NoSender) => Some("config"),
@@ -340,6 +343,7 @@ pub fn failure_label(stage: Option<&str>, smtp_code: Option<i32>) -> String {
         Some("queue") => "expired".into(),
         Some("throttle") => "domain throttled".into(),
         Some("lock") => "worker lost".into(),
+        Some("refused") => "refused by tablemail".into(),
         Some(other) => match Stage::from_key(other) {
             Some(stage) => format!("{} (no reply)", stage.as_str()),
             None => other.to_string(),

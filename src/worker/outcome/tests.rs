@@ -386,6 +386,7 @@ fn failures_are_labelled_by_stage_and_code_or_kind() {
         (Some("throttle"), None, "domain throttled"),
         (Some("message"), None, "invalid mail"),
         (Some("config"), None, "no sender configured"),
+        (Some("refused"), None, "refused by tablemail"),
         (Some("connect"), None, "connect (no reply)"),
     ];
     for (stage, code, label) in cases {
@@ -401,6 +402,11 @@ fn failures_are_labelled_by_stage_and_code_or_kind() {
     );
     let attempt = Attempt::Failed(e);
     assert_eq!(failure_label(stage_key(&attempt), Some(550)), "RCPT TO 550");
+    let refused = Attempt::Failed(SendError::refused_here(Stage::MailFrom, "no SMTPUTF8"));
+    assert_eq!(
+        failure_label(stage_key(&refused), None),
+        "refused by tablemail"
+    );
 }
 
 #[test]
