@@ -33,8 +33,8 @@ CREATE TABLE mail_event (
     attempt   integer     NOT NULL,
     -- retry, failed, unknown, deferred, released, stale, retried, cancelled
     outcome   text        NOT NULL,
-    -- How far the attempt got: connect, greeting, ehlo, starttls, auth, mail,
-    -- rcpt, data, body, dot (the reply to "."), or what stopped it before
+    -- How far the attempt got: connect, greeting, tls, ehlo, auth, mail, rcpt,
+    -- data, body, dot (the reply to "."), outbox, or what stopped it before
     -- the relay (message, config, throttle, queue, lock, operator, refused).
     stage     text,
     smtp_code integer,
