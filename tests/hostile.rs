@@ -214,3 +214,54 @@ async fn ten_thousand_recipients_and_a_hundred_thousand_headers_fail_clearly() {
     assert_eq!(db.row(fine).await.status, "sent");
     assert_eq!(smtp.received().len(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_subjects_and_header_values_reach_the_relay_within_998_octets() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&[]);
+    let s = settings(&db, &smtp.url());
+    let worker = worker(&db, &s);
+    // 1,500 characters each: words with non-ASCII, plain words, and one word
+    // as long as the whole value (it can only be encoded, not folded).
+    let subject = "Ihre Bestellbestätigung ".repeat(63);
+    let subject = subject.trim_end();
+    let note = "word ".repeat(300);
+    let note = note.trim_end();
+    let token = "x".repeat(1500);
+    let mut m = mail("ann@example.org", subject);
+    m.headers = Some(
+        serde_json::json!({ "X-Note": note, "X-Campaign": token })
+            .as_object()
+            .unwrap()
+            .clone(),
+    );
+    let id = db.enqueue(m).await;
+    worker.process_batch().await.unwrap();
+    assert_eq!(db.row(id).await.status, "sent");
+    let received = smtp.received();
+    assert_eq!(received.len(), 1);
+    let data = &received[0].data;
+    let longest = data.split("\r\n").map(str::len).max().unwrap();
+    assert!(
+        longest <= 998,
+        "a line of {longest} octets reached the relay"
+    );
+    assert!(!has_bare_line_break(data));
+    // A mail reader gets the values back as they were written.
+    let parsed = mail_parser::MessageParser::default()
+        .parse(data.as_bytes())
+        .expect("a message");
+    assert_eq!(parsed.subject(), Some(subject));
+    for (name, value) in [("X-Note", note), ("X-Campaign", token.as_str())] {
+        // The parser leaves unknown fields raw: read the value as a reader
+        // reads unstructured text (unfolded, RFC 2047 words decoded).
+        let raw = parsed.header_raw(name).expect(name);
+        let field = format!("Subject:{raw}\r\n\r\n");
+        let again = mail_parser::MessageParser::default()
+            .parse(field.as_bytes())
+            .expect("a field");
+        assert_eq!(again.subject(), Some(value), "{name}");
+    }
+}
