@@ -1,5 +1,6 @@
 //! Whole messages, read back with a real MIME parser (mail-parser), and a
-//! property test over arbitrary rows.
+//! property test over arbitrary rows. Long because it is a table of cases:
+//! each message shape once, each bad row once.
 
 use std::time::{Duration, Instant};
 
