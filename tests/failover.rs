@@ -544,6 +544,11 @@ impl Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
+        // Its data is thrown away: no need for a clean shutdown.
+        let _ = Command::new("pg_ctlcluster")
+            .args(["--skip-systemctl-redirect", &self.version, &self.name])
+            .args(["stop", "-m", "immediate"])
+            .output();
         let dropped = Command::new("pg_dropcluster")
             .args(["--stop", &self.version, &self.name])
             .output();
