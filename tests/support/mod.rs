@@ -762,7 +762,16 @@ pub fn daemon_env(
     transport_url: &str,
     extra: &[(&str, &str)],
 ) -> Vec<(String, String)> {
-    let mut env = db.env();
+    daemon_env_at(&db.url, transport_url, extra)
+}
+
+/// `daemon_env` for a database the test reaches by URL (a server of its own).
+pub fn daemon_env_at(
+    database_url: &str,
+    transport_url: &str,
+    extra: &[(&str, &str)],
+) -> Vec<(String, String)> {
+    let mut env = vec![("TABLEMAIL__DATABASE__URL".into(), database_url.into())];
     env.push(("TABLEMAIL__TRANSPORT__URL".into(), transport_url.into()));
     env.push((
         "TABLEMAIL__DEFAULTS__FROM_ADDRESS".into(),
@@ -815,7 +824,7 @@ pub fn free_port() -> u16 {
         .port()
 }
 
-fn running_as_root() -> bool {
+pub fn running_as_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -897,10 +906,21 @@ impl SmtpSink {
 
     /// Every transaction captured (smtp-sink writes it as it receives it).
     pub fn mails(&self) -> Vec<SinkMail> {
+        self.mails_with_ends().into_iter().map(|(_, m)| m).collect()
+    }
+
+    /// Every transaction captured, with where it ends in the capture (compare
+    /// with `captured_bytes` sampled over time to tell when it arrived).
+    pub fn mails_with_ends(&self) -> Vec<(u64, SinkMail)> {
         let text = std::fs::read_to_string(&self.dump).unwrap_or_default();
+        let mut end = 0u64;
         text.split(SINK_MARK)
-            .filter(|chunk| chunk.contains("X-Mail-Args:"))
             .map(|chunk| {
+                end += (chunk.len() + SINK_MARK.len()) as u64;
+                (end - SINK_MARK.len() as u64, chunk)
+            })
+            .filter(|(_, chunk)| chunk.contains("X-Mail-Args:"))
+            .map(|(end, chunk)| {
                 let mut mail = SinkMail {
                     mail_from: String::new(),
                     rcpt_tos: Vec::new(),
@@ -934,9 +954,15 @@ impl SmtpSink {
                         mail.subject = Some(v.trim().to_string());
                     }
                 }
-                mail
+                (end, mail)
             })
             .collect()
+    }
+
+    /// Bytes captured so far: grows with every mail, and is cheap to read
+    /// while `mails()` parses the whole capture.
+    pub fn captured_bytes(&self) -> u64 {
+        std::fs::metadata(&self.dump).map(|m| m.len()).unwrap_or(0)
     }
 
     /// Stops the sink (the port closes).
