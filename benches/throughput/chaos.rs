@@ -224,7 +224,8 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
         Backend::Postgres => "now() - interval '1 minute'",
         _ => "UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE",
     };
-    let count_purge = format!("DELETE FROM mail_queue WHERE status = 'sent' AND processed_at < {minute_ago}");
+    let count_purge =
+        format!("DELETE FROM mail_queue WHERE status = 'sent' AND processed_at < {minute_ago}");
     let started = Instant::now();
     let (mut inserted, mut sent_deleted, mut feeder_errors) = (0i64, 0i64, 0usize);
     let mut per_minute = Vec::new();
@@ -261,7 +262,10 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
         if minute_start.0.elapsed() >= Duration::from_secs(60) {
             let now = (Instant::now(), relay.messages());
             let rate = (now.1 - minute_start.1) as f64 / (now.0 - minute_start.0).as_secs_f64();
-            eprintln!("chaos soak minute {}: {rate:.0} mails/s", per_minute.len() + 1);
+            eprintln!(
+                "chaos soak minute {}: {rate:.0} mails/s",
+                per_minute.len() + 1
+            );
             per_minute.push(rate);
             minute_start = now;
             rss_last_kib = daemons[0].rss_kib();
@@ -489,5 +493,8 @@ pub(super) fn report(r: &ChaosReport) {
     for (message, n) in &r.log_counts {
         line(format!("log: {message}"), n);
     }
-    line("feeder's failed statements (server restarts)", r.feeder_errors);
+    line(
+        "feeder's failed statements (server restarts)",
+        r.feeder_errors,
+    );
 }
