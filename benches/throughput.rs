@@ -1378,7 +1378,7 @@ async fn main() {
                 runs.push(r);
             }
         }
-        scale::report(backend.name(), &runs);
+        scale::report(backend, &runs);
     }
     if let (Some(duration), Some(every)) = (opts.soak, opts.chaos) {
         let r = chaos::soak(&setup, duration, every).await;

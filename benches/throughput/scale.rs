@@ -20,7 +20,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{server_cpu, spread, BenchDb, Daemon, Setup, Shape, Sink};
+use super::{server_cpu, spread, Backend, BenchDb, Daemon, Setup, Shape, Sink};
 
 /// One drain by `daemons` processes.
 pub(super) struct ScaleRun {
@@ -158,9 +158,9 @@ pub(super) async fn drain(setup: &Setup<'_>, mails: usize, daemons: usize) -> Sc
 
 /// One row per daemon count: medians over the runs for rates and CPU, sums
 /// for what must be zero.
-pub(super) fn report(db_name: &str, runs: &[ScaleRun]) {
+pub(super) fn report(backend: Backend, runs: &[ScaleRun]) {
+    let db_name = backend.name();
     let mut counts: Vec<usize> = runs.iter().map(|r| r.daemons).collect();
-    counts.dedup();
     counts.sort_unstable();
     counts.dedup();
     let of = |n: usize| runs.iter().filter(move |r| r.daemons == n);
@@ -207,13 +207,16 @@ pub(super) fn report(db_name: &str, runs: &[ScaleRun]) {
             runs.iter().map(|r| r.share.1).fold(0.0, f64::max),
         );
         println!(
-            "  {:>7} {:>4} {:>22} {:>6.0}% {:>10.1} {:>10.1} {:>4} {:>6} {:>5} {:>6} {:>6} {:>11}  {}{}",
+            "  {:>7} {:>4} {:>22} {:>6.0}% {:>10.1} {:>10} {:>4} {:>6} {:>5} {:>6} {:>6} {:>11}  {}{}",
             n,
             runs[0].pool,
             rate,
             100.0 * median_rate(n) / base,
             median(&|r| r.cpu_us_per_mail),
-            median(&|r| r.db_cpu_us_per_mail),
+            match backend.process() {
+                Some(_) => format!("{:.1}", median(&|r| r.db_cpu_us_per_mail)),
+                None => "–".to_string(),
+            },
             total(&|r| r.duplicates),
             total(&|r| r.claimed_twice),
             total(&|r| r.lock_lost as i64),
