@@ -18,7 +18,14 @@
 //!   "." arrives); with the backend's wake-up, then (PostgreSQL) by polling;
 //! - claim cost: 10k due rows; 50k rows of 2 KB and 1M rows of 200 bytes from
 //!   a burst, before and after ANALYZE; 10k due beside 1M finished rows;
-//! - with `--soak 30m`: throughput per minute under constant load.
+//! - with `--soak 30m`: throughput per minute under constant load;
+//! - with `--daemons 1,2,4,8`: one burst drained by that many daemons at
+//!   once, against one daemon (`throughput/scale.rs`);
+//! - with `--soak 14m --chaos`: the soak drained by two daemons while faults
+//!   hit them one at a time, every `--chaos-every` (2m): a daemon killed, the
+//!   database restarted, the relay down, the relay answering 421, the
+//!   database's and the relay's connections blackholed; then what was lost or
+//!   sent twice (`throughput/chaos.rs`).
 //!
 //! The ceiling and the drains are measured `--runs` times (3) and reported as
 //! median (lowest–highest): this machine's speed wanders by ±15% from minute
@@ -30,7 +37,8 @@
 //! with a fresh RSA-2048 / Ed25519 key),
 //! `--attachment-kb N` (every drained mail carries one PDF-like attachment
 //! of N KB; the ceiling is measured with messages of the same size),
-//! `--bin PATH` (another build of the daemon, for before/after figures).
+//! `--bin PATH` (another build of the daemon, for before/after figures),
+//! `--daemons N,N,…`, `--chaos` and `--chaos-every DURATION` (with `--soak`).
 
 use std::{
     io::{BufRead, BufReader, Read},
@@ -50,6 +58,14 @@ use sqlx::{
 };
 use tablemail::store::{self, BatchLock, Claim, FinalAction, Finalize, Store};
 
+#[path = "throughput/chaos.rs"]
+mod chaos;
+#[allow(dead_code)]
+#[path = "../tests/support/proxy.rs"]
+mod proxy;
+#[path = "throughput/scale.rs"]
+mod scale;
+
 const BODY_BYTES: usize = 2048;
 
 struct Options {
@@ -66,6 +82,10 @@ struct Options {
     drain: bool,
     /// Every drained mail carries one PDF-like attachment of this many KB.
     attachment_kb: usize,
+    /// `--daemons 1,2,4,8`: drains of one burst by this many daemons at once.
+    daemons: Vec<usize>,
+    /// `--chaos` (with `--soak`): one fault every `chaos_every`.
+    chaos: Option<Duration>,
 }
 
 fn options() -> Options {
@@ -101,6 +121,19 @@ fn options() -> Options {
         drain: !args.iter().any(|a| a == "--skip-drain"),
         attachment_kb: value("--attachment-kb")
             .map_or(0, |v| v.parse().expect("--attachment-kb N")),
+        daemons: value("--daemons").map_or_else(Vec::new, |v| {
+            v.split(',')
+                .map(|n| match n.trim().parse() {
+                    Ok(n) if n > 0 => n,
+                    _ => panic!("--daemons N,N,…: counts of 1 or more"),
+                })
+                .collect()
+        }),
+        chaos: args.iter().any(|a| a == "--chaos").then(|| {
+            value("--chaos-every").map_or(Duration::from_secs(120), |v| {
+                humantime::parse_duration(&v).expect("--chaos-every DURATION")
+            })
+        }),
     }
 }
 
@@ -150,16 +183,23 @@ struct Sink {
     port: u16,
     child: Child,
     arrivals: Arc<Mutex<Vec<f64>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Sink {
     fn start() -> Sink {
-        let port = free_port();
+        Sink::start_on(free_port(), &[])
+    }
+
+    /// A sink on `port` (again, after another one stopped there), with
+    /// `smtp-sink`'s fault flags in `flags` (`-Q MAIL`: 421 to every MAIL).
+    fn start_on(port: u16, flags: &[&str]) -> Sink {
         let mut cmd = Command::new(sbin("smtp-sink"));
         if as_root() {
             cmd.args(["-u", "nobody"]);
         }
         let mut child = cmd
+            .args(flags)
             .arg("-c")
             .arg(format!("127.0.0.1:{port}"))
             .arg("1024")
@@ -169,7 +209,7 @@ impl Sink {
         let arrivals = Arc::new(Mutex::new(Vec::new()));
         let mut out = child.stdout.take().unwrap();
         let seen = arrivals.clone();
-        std::thread::spawn(move || {
+        let reader = std::thread::spawn(move || {
             let mut buf = [0u8; 4096];
             let mut text = String::new();
             while let Ok(n) = out.read(&mut buf) {
@@ -199,6 +239,7 @@ impl Sink {
             port,
             child,
             arrivals,
+            reader: Some(reader),
         }
     }
 
@@ -210,6 +251,17 @@ impl Sink {
     /// When message `i` (0-based) arrived, if it has.
     fn arrival(&self, i: usize) -> Option<f64> {
         self.arrivals.lock().unwrap().get(i).copied()
+    }
+
+    /// Kills the sink (its port refuses connections from now on) and
+    /// returns the messages it received, its last counter line read.
+    fn stop(mut self) -> usize {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
+        self.messages()
     }
 }
 
@@ -352,6 +404,41 @@ impl BenchDb {
             .unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// `sql` and the rows it changed, or the error (a server restart).
+    async fn try_exec(&self, sql: &str) -> Result<u64, String> {
+        let sql = AssertSqlSafe(sql.to_string());
+        on_pool!(&self.pool, p => sqlx::query(sql).execute(p).await.map(|r| r.rows_affected()))
+            .map_err(|e| e.to_string())
+    }
+
+    async fn try_i64(&self, sql: &str) -> Result<i64, String> {
+        let sql = AssertSqlSafe(sql.to_string());
+        on_pool!(&self.pool, p => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Rows of (text, count), e.g. a GROUP BY.
+    async fn counts(&self, sql: &str) -> Vec<(String, i64)> {
+        let sql = AssertSqlSafe(sql.to_string());
+        on_pool!(&self.pool, p => sqlx::query_as::<_, (String, i64)>(sql).fetch_all(p).await)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    async fn text(&self, sql: &str) -> String {
+        let sql = AssertSqlSafe(sql.to_string());
+        on_pool!(&self.pool, p => sqlx::query_scalar::<_, String>(sql).fetch_one(p).await)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The database's clock, as the daemon's statements read it.
+    fn now(&self) -> &'static str {
+        match self.backend {
+            Backend::Postgres => "now()",
+            Backend::Mysql => "UTC_TIMESTAMP(6)",
+            Backend::Sqlite => "strftime('%Y-%m-%d %H:%M:%f', 'now')",
+        }
+    }
+
     async fn i64(&self, sql: &str) -> i64 {
         let sql = AssertSqlSafe(sql.to_string());
         on_pool!(&self.pool, p => sqlx::query_scalar::<_, i64>(sql).fetch_one(p).await)
@@ -390,12 +477,21 @@ impl BenchDb {
         let mut done = 0;
         while done < n {
             let chunk = (n - done).min(100_000);
-            self.load_chunk(done, chunk, shape, status).await;
+            self.load_chunk(done, chunk, shape, status)
+                .await
+                .unwrap_or_else(|e| panic!("load: {e}"));
             done += chunk;
         }
     }
 
-    async fn load_chunk(&self, offset: usize, n: usize, shape: Shape, status: &str) {
+    /// One INSERT of `n` rows: all of them or, on an error, none.
+    async fn load_chunk(
+        &self,
+        offset: usize,
+        n: usize,
+        shape: Shape,
+        status: &str,
+    ) -> Result<(), String> {
         let (subject, body, html, from_name) = shape.content();
         let (first, last) = (offset + 1, offset + n);
         let cat = |parts: &[&str]| match self.backend {
@@ -438,7 +534,7 @@ impl BenchDb {
             .execute(p)
             .await
             .map(|_| ()))
-        .unwrap_or_else(|e| panic!("load: {e}"));
+        .map_err(|e| e.to_string())
     }
 
     /// One attachment for every mail, inserted as an application would
@@ -598,6 +694,13 @@ struct Daemon {
 
 impl Daemon {
     fn start(tablemail: &Path, dir: &Path, name: &str, env: &[(&str, String)]) -> Daemon {
+        let d = Daemon::spawn(tablemail, dir, name, env);
+        d.wait_started();
+        d
+    }
+
+    /// Starts `tablemail run` without waiting for it to be ready.
+    fn spawn(tablemail: &Path, dir: &Path, name: &str, env: &[(&str, String)]) -> Daemon {
         let log = dir.join(format!("{name}.log"));
         let mut cmd = Command::new(tablemail);
         cmd.arg("run")
@@ -609,17 +712,47 @@ impl Daemon {
         }
         let started = Instant::now();
         let child = cmd.spawn().expect("tablemail run");
-        let d = Daemon {
+        Daemon {
             child,
             log,
             started,
-        };
+        }
+    }
+
+    fn wait_started(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !d.logged("worker started") {
+        while !self.logged("worker started") {
             assert!(Instant::now() < deadline, "the daemon did not start");
             std::thread::sleep(Duration::from_millis(20));
         }
-        d
+    }
+
+    /// Log lines whose message starts with `message`.
+    fn count(&self, message: &str) -> usize {
+        let f = std::fs::File::open(&self.log).unwrap();
+        let needle = format!("\"message\":\"{message}");
+        BufReader::new(f)
+            .lines()
+            .map_while(Result::ok)
+            .filter(|l| l.contains(&needle))
+            .count()
+    }
+
+    /// Resident memory now, in KiB.
+    fn rss_kib(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// `kill -9`: no shutdown, its rows stay `sending` under its locks.
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     fn logged(&self, message: &str) -> bool {
@@ -1131,6 +1264,10 @@ async fn main() {
         return;
     }
     let opts = options();
+    assert!(
+        opts.chaos.is_none() || opts.soak.is_some(),
+        "--chaos goes with --soak DURATION"
+    );
     let dir = scratch();
     let backend = Backend::of(&opts.database);
     let mut env = opts.dkim.map_or_else(Vec::new, |kind| dkim_env(&dir, kind));
@@ -1230,6 +1367,24 @@ async fn main() {
             "  1M due / 10k due, analyzed",
             format!("{:.2}x", c.burst_1m.1 / c.small),
         );
+    }
+    if !opts.daemons.is_empty() {
+        let mut runs = Vec::new();
+        // Runs interleaved, so that the machine's drift hits every count alike.
+        for run in 1..=opts.runs.max(1) {
+            for &n in &opts.daemons {
+                let r = scale::drain(&setup, opts.mails, n).await;
+                eprintln!("run {run}, {n} daemons: {:.0}/s", r.rate);
+                runs.push(r);
+            }
+        }
+        scale::report(backend, &runs);
+    }
+    if let (Some(duration), Some(every)) = (opts.soak, opts.chaos) {
+        let r = chaos::soak(&setup, duration, every).await;
+        chaos::report(&r);
+        println!("daemon logs: {}", dir.display());
+        return;
     }
     if let Some(duration) = opts.soak {
         let (per_minute, rss) = soak(&setup, duration).await;
