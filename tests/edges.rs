@@ -348,11 +348,15 @@ async fn silent_connections(db: TestDb) {
         "silent connections: the rest sent {:.1}s after the silence began",
         silenced_at.elapsed().as_secs_f64()
     );
+    // Whichever call met the silence first (a claim, a commit, a lock
+    // renewal, the wake-up listener, a chore) says its deadline passed.
+    let deadline_fired = daemon.logs().iter().any(|l| {
+        l["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("did not answer within") || e.contains("timed out"))
+    });
     assert!(
-        !daemon.logged("database unavailable").is_empty()
-            || !daemon
-                .logged("database unavailable: outcome not written yet")
-                .is_empty(),
+        deadline_fired,
         "the deadline never fired: the test did not silence the database"
     );
     let got = sink.mails();

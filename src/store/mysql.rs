@@ -42,13 +42,15 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<MyS
     // server-side keepalive setting per session: a daemon that vanished in
     // the middle of a claim transaction (a lost NAT entry, a failed-over
     // address) would leave its row locks held for `wait_timeout`, eight
-    // hours by default. The session's `wait_timeout` bounds that; idle
-    // connections leave the pool before the server closes them.
+    // hours by default. The session's `wait_timeout` bounds that to four
+    // deadlines (the daemon never leaves a session idle inside a transaction
+    // longer than one); idle connections leave the pool before the server
+    // closes them.
     let wait = options
         .statement_timeout
         .as_secs()
         .saturating_mul(4)
-        .max(120);
+        .max(10);
     let session = format!("SET SESSION wait_timeout = {wait}");
     let pool = MySqlPoolOptions::new()
         .max_connections(options.max_connections)
