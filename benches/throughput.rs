@@ -886,6 +886,35 @@ struct Setup<'a> {
 /// all: mails per second from the daemon's start. `analyzed` refreshes the
 /// statistics first (the best case); without it the backlog is a burst the
 /// statistics have not seen.
+/// Waits until the sink has `mails` and then, within `settle`, no row is
+/// left pending (the last outcomes written); returns the seconds from
+/// `started` until the sink had them all.
+async fn until_drained(
+    sink: &Sink,
+    db: &BenchDb,
+    mails: usize,
+    started: Instant,
+    settle: Duration,
+    who: &str,
+) -> f64 {
+    let deadline = Instant::now() + Duration::from_secs(900);
+    while sink.messages() < mails {
+        assert!(
+            Instant::now() < deadline,
+            "{who} did not finish: the sink has {} of {mails}",
+            sink.messages()
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let deadline = Instant::now() + settle;
+    while db.pending().await > 0 {
+        assert!(Instant::now() < deadline, "rows left unfinished");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    seconds
+}
+
 async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) -> Drain {
     let db = BenchDb::create(setup.target, setup.tablemail, setup.dir).await;
     let sink = Sink::start();
@@ -906,21 +935,8 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
     ];
     env.extend(setup.env.iter().cloned());
     let daemon = Daemon::start(setup.tablemail, setup.dir, "drain", &env);
-    let deadline = Instant::now() + Duration::from_secs(900);
-    while sink.messages() < mails {
-        assert!(
-            Instant::now() < deadline,
-            "the drain did not finish: the sink has {} of {mails}",
-            sink.messages()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let seconds = daemon.started.elapsed().as_secs_f64();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while db.pending().await > 0 {
-        assert!(Instant::now() < deadline, "rows left unfinished");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let settle = Duration::from_secs(30);
+    let seconds = until_drained(&sink, &db, mails, daemon.started, settle, "the drain").await;
     let (cpu, peak_rss_kib) = daemon.usage();
     let db_cpu = server_cpu(db.backend) - db_cpu_before;
     assert_eq!(

@@ -332,14 +332,7 @@ async fn silent_connections(db: TestDb) {
                 .await;
             panic!(
                 "not every mail sent 60 s after the silence: {states:?}; the daemon said:\n{}",
-                daemon
-                    .logs()
-                    .iter()
-                    .rev()
-                    .take(80)
-                    .map(|l| l.to_string())
-                    .collect::<Vec<_>>()
-                    .join("\n")
+                daemon.tail(80)
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

@@ -203,12 +203,8 @@ async fn failover_during_a_drain(version: &str, replication: Replication) -> Fig
         ],
     );
     let mut daemon = Daemon::start(env);
-    eventually(
-        "the drain to be under way",
-        Duration::from_secs(60),
-        || async { sink.mails().len() >= 1000 },
-    )
-    .await;
+    // The drain under way.
+    sink.wait_for_mails(1000, Duration::from_secs(60)).await;
 
     let received_at_kill = sink.mails().len();
     let killed = Instant::now();
@@ -429,12 +425,7 @@ fn prerequisites() -> Option<String> {
     ] {
         tool(name)?;
     }
-    let version = std::fs::read_dir("/etc/postgresql")
-        .ok()?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|v| v.parse::<u32>().is_ok())
-        .max_by_key(|v| v.parse::<u32>().unwrap_or(0));
+    let version = postgres_version();
     if version.is_none() {
         assert!(!ci, "no PostgreSQL version in /etc/postgresql");
         eprintln!("SKIPPED: no PostgreSQL version in /etc/postgresql");
@@ -455,9 +446,11 @@ impl Cluster {
     /// only, trusting connections from there, replication included.
     fn create(version: &str, name: &str) -> Cluster {
         let port = free_port();
-        run(Command::new("pg_createcluster")
-            .args([version, name, "--start-conf=manual", "-p"])
-            .arg(port.to_string()));
+        run_ok(
+            Command::new("pg_createcluster")
+                .args([version, name, "--start-conf=manual", "-p"])
+                .arg(port.to_string()),
+        );
         let cluster = Cluster {
             version: version.into(),
             name: name.into(),
@@ -485,7 +478,7 @@ impl Cluster {
 
     /// The data directory, as the cluster tools list it.
     fn data_dir(&self) -> PathBuf {
-        let listing = run(Command::new("pg_lsclusters").arg("-h"));
+        let listing = run_ok(Command::new("pg_lsclusters").arg("-h"));
         listing
             .lines()
             .map(|l| l.split_whitespace().collect::<Vec<_>>())
@@ -495,9 +488,11 @@ impl Cluster {
     }
 
     fn ctl(&self, action: &[&str]) {
-        run(Command::new("pg_ctlcluster")
-            .args(["--skip-systemctl-redirect", &self.version, &self.name])
-            .args(action));
+        run_ok(
+            Command::new("pg_ctlcluster")
+                .args(["--skip-systemctl-redirect", &self.version, &self.name])
+                .args(action),
+        );
     }
 
     fn start(&self) {
@@ -533,12 +528,14 @@ impl Cluster {
                 std::fs::remove_file(&path).unwrap();
             }
         }
-        run(Command::new("runuser")
-            .args(["-u", "postgres", "--", "pg_basebackup", "-h", "127.0.0.1"])
-            .args(["-p", &primary.port.to_string(), "-U", "postgres", "-D"])
-            .arg(&dir)
-            .args(["-R", "-X", "stream", "--checkpoint=fast", "-d"])
-            .arg(format!("application_name={application_name}")));
+        run_ok(
+            Command::new("runuser")
+                .args(["-u", "postgres", "--", "pg_basebackup", "-h", "127.0.0.1"])
+                .args(["-p", &primary.port.to_string(), "-U", "postgres", "-D"])
+                .arg(&dir)
+                .args(["-R", "-X", "stream", "--checkpoint=fast", "-d"])
+                .arg(format!("application_name={application_name}")),
+        );
     }
 }
 
@@ -565,20 +562,6 @@ impl Drop for Cluster {
         // What pg_dropcluster leaves: the file the test added.
         let _ = std::fs::remove_dir_all(self.config_dir());
     }
-}
-
-/// Runs a command to success and returns its stdout; fails the test with
-/// its stderr otherwise.
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?} exited with {}: {}{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 async fn connect(url: &str) -> PgPool {

@@ -229,10 +229,9 @@ async fn healthz_follows_a_database_that_goes_silent() {
             break;
         }
         if std::time::Instant::now() >= deadline {
-            let lines: Vec<String> = daemon.logs().iter().map(|l| l.to_string()).collect();
             panic!(
                 "not healthy again 60 s after the silence: {status} {body}\nthe daemon said:\n{}",
-                lines[lines.len().saturating_sub(60)..].join("\n")
+                daemon.tail(60)
             );
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

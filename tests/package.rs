@@ -152,17 +152,6 @@ fn build_deb(cargo_deb: &str, out: &Path) -> PathBuf {
         .expect("a .deb")
 }
 
-fn run_ok(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
 /// The values of `key=` lines in the unit's text.
 fn unit_values(unit: &str, key: &str) -> Vec<String> {
     unit.lines()
@@ -181,20 +170,12 @@ fn chown_to_service(path: &Path) {
     );
 }
 
-fn as_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_package_installs_and_its_unit_runs_the_daemon() {
     let (Some(cargo_deb), Some(lintian)) = (tool("cargo-deb"), tool("lintian")) else {
         return;
     };
-    if !as_root() {
+    if !running_as_root() {
         assert!(
             std::env::var("CI").as_deref() != Ok("true"),
             "the package test runs the service as another user: it needs root"

@@ -11,12 +11,7 @@ use tablemail::store::NewMail;
 
 /// Restarts the local cluster the way the machine's service scripts do.
 fn restart_postgres() -> Result<(), String> {
-    let version = std::fs::read_dir("/etc/postgresql")
-        .map_err(|e| format!("/etc/postgresql: {e}"))?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .max_by_key(|v| v.parse::<u32>().unwrap_or(0))
-        .ok_or("no cluster in /etc/postgresql")?;
+    let version = postgres_version().ok_or("no cluster in /etc/postgresql")?;
     let status = Command::new("pg_ctlcluster")
         .args(["--skip-systemctl-redirect", &version, "main", "restart"])
         .status()
@@ -51,12 +46,8 @@ async fn postgres_restart_during_a_drain_loses_nothing() {
         ],
     );
     let mut daemon = Daemon::start(env);
-    eventually(
-        "the drain to be under way",
-        Duration::from_secs(30),
-        || async { sink.mails().len() >= 1000 },
-    )
-    .await;
+    // The drain under way.
+    sink.wait_for_mails(1000, Duration::from_secs(30)).await;
 
     if let Err(e) = restart_postgres() {
         if std::env::var("CI").as_deref() == Ok("true") {

@@ -18,9 +18,9 @@
 //! Each daemon's pool is `32 / N` connections, between 2 and 8 (the default),
 //! so 8 daemons stay within PostgreSQL's default `max_connections` of 100.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::{server_cpu, spread, Backend, BenchDb, Daemon, Setup, Shape, Sink};
+use super::{server_cpu, spread, until_drained, Backend, BenchDb, Daemon, Setup, Shape, Sink};
 
 /// One drain by `daemons` processes.
 pub(super) struct ScaleRun {
@@ -77,22 +77,9 @@ pub(super) async fn drain(setup: &Setup<'_>, mails: usize, daemons: usize) -> Sc
     for d in &running {
         d.wait_started();
     }
-    let started = running[0].started;
-    let deadline = Instant::now() + Duration::from_secs(900);
-    while sink.messages() < mails {
-        assert!(
-            Instant::now() < deadline,
-            "{daemons} daemons did not finish: the sink has {} of {mails}",
-            sink.messages()
-        );
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while db.pending().await > 0 {
-        assert!(Instant::now() < deadline, "rows left unfinished");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let who = format!("{daemons} daemons");
+    let settle = Duration::from_secs(60);
+    let seconds = until_drained(&sink, &db, mails, running[0].started, settle, &who).await;
     let cpu: f64 = running.iter().map(|d| d.usage().0).sum();
     let db_cpu = server_cpu(db.backend) - db_cpu_before;
     let sent = db

@@ -708,6 +708,13 @@ impl Daemon {
             .collect()
     }
 
+    /// The last `n` log lines as written, oldest first: what a failing test
+    /// shows of the daemon.
+    pub fn tail(&self, n: usize) -> String {
+        let lines = self.lines.lock().unwrap();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+
     /// The log lines with this message.
     pub fn logged(&self, message: &str) -> Vec<serde_json::Value> {
         self.logs()
@@ -959,6 +966,14 @@ impl SmtpSink {
             .collect()
     }
 
+    /// Waits until at least `n` mails have been captured.
+    pub async fn wait_for_mails(&self, n: usize, limit: Duration) {
+        eventually(&format!("{n} mails at the sink"), limit, || async {
+            self.mails().len() >= n
+        })
+        .await;
+    }
+
     /// Bytes captured so far: grows with every mail, and is cheap to read
     /// while `mails()` parses the whole capture.
     pub fn captured_bytes(&self) -> u64 {
@@ -1010,6 +1025,31 @@ pub fn self_signed_cert(dir: &Path) -> (PathBuf, PathBuf) {
         .expect("openssl");
     assert!(status.success(), "openssl could not make a certificate");
     (cert, key)
+}
+
+/// Runs a command to success and returns its stdout; fails the test with
+/// its output otherwise.
+pub fn run_ok(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd:?} exited with {}: {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The newest PostgreSQL version with clusters under /etc/postgresql
+/// (Debian's layout), e.g. "15".
+pub fn postgres_version() -> Option<String> {
+    std::fs::read_dir("/etc/postgresql")
+        .ok()?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|v| v.parse::<u32>().is_ok())
+        .max_by_key(|v| v.parse::<u32>().unwrap_or(0))
 }
 
 /// The packaging tools: present on the machine, or the test is skipped
