@@ -25,6 +25,7 @@
 //!   policy, the relay gate, throttling, and the chores beside them.
 //! - [`config`]: `Settings`: defaults < file < `TABLEMAIL__*` environment.
 //! - [`telemetry`]: flat JSON or pretty logs that never block; redaction.
+//! - [`random`]: cheap per-thread randomness for jitter and MIME boundaries.
 //! - [`shutdown`]: SIGTERM | SIGINT -> `CancellationToken`.
 //! - [`systemd`]: READY/WATCHDOG/STOPPING notifications under `Type=notify`.
 //! - [`cli`]: the clap command line.
@@ -38,6 +39,7 @@ pub mod dkim;
 pub mod http;
 pub mod mail;
 pub mod metrics;
+pub mod random;
 pub mod shutdown;
 pub mod smtp;
 pub mod store;

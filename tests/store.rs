@@ -30,6 +30,26 @@ for_each_backend!(
     a_large_group_commit_writes_every_outcome,
 );
 
+/// On the backends that fail over to a replica (PostgreSQL, MariaDB); SQLite
+/// gives each claim's Message-IDs a random part of its own.
+mod message_id_after_a_lost_claim {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        if let Some(db) = TestDb::postgres().await {
+            a_lost_first_claim_gives_the_same_message_id_again(db).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql() {
+        if let Some(db) = TestDb::mysql().await {
+            a_lost_first_claim_gives_the_same_message_id_again(db).await;
+        }
+    }
+}
+
 fn claim(limit: usize) -> Claim<'static> {
     Claim {
         lock: BatchLock::generate(),
@@ -794,4 +814,37 @@ async fn a_large_group_commit_writes_every_outcome(db: TestDb) {
             .await,
         150
     );
+}
+
+/// A first claim lost with an asynchronous primary's last commits leaves the
+/// row as the application inserted it (queued, no Message-ID) although its
+/// mail may have gone out; claimed anew, it gets the same Message-ID, so the
+/// two copies can be matched.
+async fn a_lost_first_claim_gives_the_same_message_id_again(db: TestDb) {
+    let a = db.enqueue(mail("a@example.com", "first")).await;
+    let b = db.enqueue(mail("b@example.com", "second")).await;
+    let first = claimed(&db, 10).await;
+    let id_of = |batch: &[QueuedMail], row: i64| {
+        batch
+            .iter()
+            .find(|m| m.id == row)
+            .map(|m| m.message_id.clone())
+            .expect("claimed")
+    };
+    let (a_first, b_first) = (id_of(&first, a), id_of(&first, b));
+    assert_ne!(a_first, b_first);
+    let local = a_first.trim_start_matches('<').split('@').next().unwrap();
+    assert!(
+        local.len() > 20 && local[..20].bytes().all(|c| c.is_ascii_hexdigit()),
+        "{a_first}"
+    );
+    db.exec(&format!(
+        "UPDATE mail_queue SET status = 'queued', thread_lock = NULL, locked_at = NULL, \
+         attempts = 0, attempts_remaining = 5, message_id = NULL WHERE id IN ({a}, {b})"
+    ))
+    .await;
+    let again = claimed(&db, 10).await;
+    assert_eq!(again.len(), 2);
+    assert_eq!(id_of(&again, a), a_first);
+    assert_eq!(id_of(&again, b), b_first);
 }

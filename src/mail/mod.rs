@@ -326,7 +326,7 @@ pub fn prepare(mail: &Draft<'_>, defaults: &MessageDefaults) -> Result<PreparedM
         .collect::<Result<Vec<_>, _>>()?;
     let multipart = !files.is_empty() || (mail.body.is_some() && mail.body_html.is_some());
     let random = if multipart {
-        uuid::Uuid::new_v4().as_u128()
+        crate::random::next_u128()
     } else {
         0
     };

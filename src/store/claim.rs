@@ -46,7 +46,9 @@ pub struct Claim<'a> {
 /// What every backend's claim statement binds, owned so that it moves into
 /// the statement's future.
 pub(crate) struct ClaimBinds {
-    /// Makes the assigned Message-IDs unique across claims.
+    /// Makes SQLite's assigned Message-IDs unique across claims;
+    /// PostgreSQL and MariaDB derive theirs from the row alone (the same
+    /// Message-ID whichever claim gives it).
     pub nonce: String,
     pub lock: BatchLock,
     pub limit: i64,

@@ -225,32 +225,33 @@ impl Finalize {
 pub(crate) const STATEMENT_BUDGET: usize = 12 * 1024;
 
 impl Finalize {
-    /// What this outcome's texts add to a statement on the wire (with their
-    /// quotes or length words), beside the fixed columns.
+    /// What this outcome's texts add to a statement on the wire (with room
+    /// for their quotes and escapes), beside the fixed columns.
     fn text_size(&self) -> usize {
         let texts = [
             self.action.columns().error,
             self.relay_reply.as_deref(),
             self.event.as_ref().and_then(|e| e.detail.as_deref()),
         ];
-        texts.iter().flatten().map(|t| t.len() + 8).sum()
+        texts.iter().flatten().map(|t| t.len() + 4).sum()
     }
 }
 
 /// Splits outcomes, in id order, into groups of at most `budget` bytes on
 /// the wire (one outcome at least each), each outcome counted as `fixed`
 /// bytes for its columns (the backend's encoding: binary arrays or JSON)
-/// plus its texts.
+/// plus its texts, and a history row as `event` bytes more.
 pub(crate) fn wire_chunks(
     mut writes: Vec<Finalize>,
     budget: usize,
     fixed: usize,
+    event: usize,
 ) -> Vec<Vec<Finalize>> {
     writes.sort_unstable_by_key(|w| w.id);
     let mut chunks = Vec::new();
     let (mut chunk, mut size) = (Vec::new(), 0);
     for w in writes {
-        let n = fixed + w.text_size();
+        let n = fixed + w.text_size() + if w.event.is_some() { event } else { 0 };
         if !chunk.is_empty() && size + n > budget {
             chunks.push(std::mem::take(&mut chunk));
             size = 0;
@@ -290,7 +291,7 @@ mod tests {
     fn outcomes_go_in_statements_that_fit_the_send_buffer() {
         let reply = "250 2.0.0 Ok: queued as 4XyZabc";
         let writes: Vec<Finalize> = (0..300).rev().map(|id| sent(id, reply)).collect();
-        let chunks = wire_chunks(writes, STATEMENT_BUDGET, 110);
+        let chunks = wire_chunks(writes, STATEMENT_BUDGET, 110, 0);
         assert!(chunks.len() > 1, "300 outcomes in one statement");
         for chunk in &chunks {
             let size: usize = chunk.iter().map(|w| 110 + w.text_size()).sum();
@@ -305,6 +306,7 @@ mod tests {
             vec![sent(0, reply), huge, sent(2, reply)],
             STATEMENT_BUDGET,
             110,
+            0,
         );
         assert_eq!(chunks.iter().map(Vec::len).collect::<Vec<_>>(), [1, 1, 1]);
     }

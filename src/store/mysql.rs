@@ -98,6 +98,8 @@ LIMIT ?
 FOR UPDATE SKIP LOCKED
 "#;
 
+// The Message-ID, given at the first claim, is derived from the row alone
+// (as PostgreSQL's, see there): a claim lost in a failover gives it again.
 const STAMP: &str = r#"
 UPDATE mail_queue
 SET status = 'sending',
@@ -105,7 +107,8 @@ SET status = 'sending',
     locked_at = UTC_TIMESTAMP(6),
     attempts = attempts + 1,
     attempts_remaining = attempts_remaining - 1,
-    message_id = COALESCE(message_id, CONCAT('<', ?, '.', id, '@', ?, '>'))
+    message_id = COALESCE(message_id, CONCAT('<', LEFT(MD5(CONCAT(id, '.', DATE_FORMAT(created_at,
+        '%Y%m%d%H%i%s%f'), '.', ?)), 20), '.', id, '@', ?, '>'))
 WHERE id IN
 "#;
 
@@ -388,7 +391,7 @@ impl Dialect for MySql {
         let list = in_list(ids.len());
         let stamp = sqlx::query(AssertSqlSafe(format!("{STAMP}{list}")))
             .bind(b.lock.to_string())
-            .bind(b.nonce)
+            .bind(b.domain.clone())
             .bind(b.domain);
         bind_ids(stamp, &ids).execute(&mut *tx).await?;
         let read = sqlx::query(AssertSqlSafe(format!("{READ_BACK}{list}")))
@@ -430,7 +433,7 @@ impl Dialect for MySql {
             .into_iter()
             .filter(|w| ours.contains(&w.id))
             .collect();
-        for chunk in wire_chunks(writes, STATEMENT_BUDGET, 180) {
+        for chunk in wire_chunks(writes, STATEMENT_BUDGET, 180, 0) {
             let json = finalize_json(&chunk);
             sqlx::query(FINALIZE)
                 .bind(json.clone())

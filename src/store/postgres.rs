@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use super::{
     dialect::{Dialect, SqlStore},
-    finalize::{wire_chunks, STATEMENT_BUDGET},
+    finalize::{wire_chunks, FinalColumns, STATEMENT_BUDGET},
     insert::{self, Param},
     migrations::POSTGRES,
     rows::{self, inline_columns},
@@ -76,6 +76,17 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // statistics say, with the size of each row's text; the rows are then
 // updated through the primary key. The text columns come along only for rows
 // within the inline limit ($6).
+//
+// A Message-ID is given at the first claim and derived from the row alone
+// (its id, its created_at, the domain; the claim's nonce $3 is not used):
+// a claim lost with an asynchronous primary's last commits gives the mail
+// the same Message-ID again when it is claimed anew, so a copy sent under
+// the lost claim can still be matched to the new one.
+//
+// Attachments: one probe per row for their count and octets, and none for a
+// row newer than the newest mail with attachments (looked up once per claim,
+// at the end of the attachment index): most queues carry none, and the
+// probes were a tenth of the claim's cost.
 const CLAIM: &str = concat!(
     r#"
 UPDATE mail_queue AS m
@@ -84,24 +95,32 @@ SET status = 'sending',
     locked_at = now(),
     attempts = m.attempts + 1,
     attempts_remaining = m.attempts_remaining - 1,
-    message_id = COALESCE(m.message_id, '<' || $3::text || '.' || m.id || '@' || $4::text || '>')
+    message_id = COALESCE(m.message_id, '<' || left(md5(m.id || '.' || extract(epoch FROM m.created_at)
+                                           || '.' || $4::text), 20)
+                                        || '.' || m.id || '@' || $4::text || '>')
 FROM tablemail_due($1::int) AS d
+CROSS JOIN LATERAL (
+    SELECT count(*) AS attachment_count,
+           COALESCE(sum(octet_length(x.content)), 0)::int8 AS attachment_bytes
+    FROM mail_attachment AS x
+    WHERE x.mail_id = d.id AND d.id <= (SELECT max(y.mail_id) FROM mail_attachment AS y)
+) AS a
 WHERE m.id = d.id
 RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count, m.message_id,
     GREATEST(m.created_at, m.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
     d.content_bytes,
     (COALESCE(octet_length(m.body), 0) + COALESCE(octet_length(m.body_html), 0))::int8
         AS body_bytes,
-    (SELECT count(*) FROM mail_attachment AS x WHERE x.mail_id = m.id) AS attachment_count,
-    (SELECT COALESCE(sum(octet_length(x.content)), 0)::int8 FROM mail_attachment AS x
-      WHERE x.mail_id = m.id) AS attachment_bytes,
+    a.attachment_count, a.attachment_bytes,
     d.content_bytes <= $6 AS inline,
     "#,
     inline_columns!("d.content_bytes <= $6", "m.", "m.headers::text"),
 );
 
 /// The group commit's UPDATE. The outcomes come sorted by id: rows are
-/// locked in the same order as lock renewal locks them.
+/// locked in the same order as lock renewal locks them. The small columns
+/// travel packed in `flags` (see [`flags`]): a group of a hundred outcomes
+/// then fits one statement within [`STATEMENT_BUDGET`].
 macro_rules! finalize {
     () => {
         r#"
@@ -109,19 +128,19 @@ UPDATE mail_queue AS m
 SET status = f.status,
     send_at = CASE WHEN f.delay_ms >= 0 THEN now() + f.delay_ms * interval '1 millisecond'
                    ELSE m.send_at END,
-    attempts = m.attempts - f.refund::int,
-    attempts_remaining = m.attempts_remaining + f.refund::int,
-    processed_at = CASE WHEN f.processed THEN now() ELSE m.processed_at END,
-    relay_down_count = CASE f.relay_down WHEN 0 THEN 0
+    attempts = m.attempts - (f.flags & 1),
+    attempts_remaining = m.attempts_remaining + (f.flags & 1),
+    processed_at = CASE WHEN f.flags & 2 <> 0 THEN now() ELSE m.processed_at END,
+    relay_down_count = CASE f.flags >> 2 WHEN 0 THEN 0
                                          WHEN 1 THEN m.relay_down_count + 1
                                          ELSE m.relay_down_count END,
     thread_lock = NULL,
     locked_at = NULL,
     last_error = COALESCE(f.last_error, m.last_error),
     relay_reply = COALESCE(f.relay_reply, m.relay_reply)
-FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::bool[],
-            $7::bool[], $8::int2[], $9::text[])
-     AS f(id, lock, status, delay_ms, last_error, refund, processed, relay_down, relay_reply)
+FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::int2[],
+            $7::text[])
+     AS f(id, lock, status, delay_ms, last_error, flags, relay_reply)
 WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
 RETURNING m.id
 "#
@@ -139,13 +158,27 @@ const FINALIZE_WITH_EVENTS: &str = concat!(
     r#"), history AS (
     INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
     SELECT e.id, e.attempt, e.outcome, e.stage, e.smtp_code, e.detail
-    FROM unnest($10::bigint[], $11::int[], $12::text[], $13::text[], $14::int[], $15::text[])
+    FROM unnest($8::bigint[], $9::int[], $10::text[], $11::text[], $12::int[], $13::text[])
          AS e(id, attempt, outcome, stage, smtp_code, detail)
     JOIN done ON done.id = e.id
 )
 SELECT id FROM done
 "#
 );
+
+/// On the wire, per outcome of FINALIZE (binary arrays: a length word and
+/// the value per element): id 12, lock 20, status up to 13, delay 12, flags
+/// 6, and the length words of the two texts, 8.
+const FINALIZE_FIXED: usize = 71;
+/// And per history row: id 12, attempt 8, outcome up to 13, stage up to 14,
+/// code 8, the detail's length word 4.
+const FINALIZE_EVENT: usize = 59;
+
+/// `refund` (bit 0), `processed` (bit 1) and what becomes of
+/// `relay_down_count` (bits 2–3: reset, increment, keep) in one value.
+fn flags(c: &FinalColumns<'_>) -> i16 {
+    i16::from(c.refund) | i16::from(c.processed) << 1 | (c.relay_down as i16) << 2
+}
 
 const RENEW: &str = r#"
 UPDATE mail_queue AS m SET locked_at = now()
@@ -328,9 +361,14 @@ impl Dialect for Postgres {
         c: &mut PgConnection,
         writes: Vec<Finalize>,
     ) -> Result<Vec<i64>, sqlx::Error> {
-        // Binary arrays: ids, lock, status, delay, flags, with their length
-        // words, and the event's columns.
-        let mut chunks = wire_chunks(writes, STATEMENT_BUDGET, 110);
+        // A little room for the message's own words and the arrays'
+        // headers.
+        let mut chunks = wire_chunks(
+            writes,
+            STATEMENT_BUDGET - 512,
+            FINALIZE_FIXED,
+            FINALIZE_EVENT,
+        );
         if chunks.len() == 1 {
             return finalize_chunk(c, chunks.pop().expect("one chunk")).await;
         }
@@ -436,9 +474,7 @@ async fn finalize_chunk(
         .bind(cols.statuses)
         .bind(cols.delays)
         .bind(cols.errors)
-        .bind(cols.refunds)
-        .bind(cols.processed)
-        .bind(cols.relay_down)
+        .bind(cols.flags)
         .bind(cols.relay_replies);
     if has_events {
         let e = cols.events;
@@ -454,32 +490,30 @@ async fn finalize_chunk(
     rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
 }
 
-struct FinalizeArrays {
+struct FinalizeArrays<'a> {
     ids: Vec<i64>,
     locks: Vec<Uuid>,
     statuses: Vec<&'static str>,
     delays: Vec<i64>,
-    errors: Vec<Option<String>>,
-    refunds: Vec<bool>,
-    processed: Vec<bool>,
-    relay_down: Vec<i16>,
-    relay_replies: Vec<Option<String>>,
-    events: EventArrays,
+    errors: Vec<Option<&'a str>>,
+    flags: Vec<i16>,
+    relay_replies: Vec<Option<&'a str>>,
+    events: EventArrays<'a>,
 }
 
 /// The history rows FINALIZE_WITH_EVENTS unnests.
 #[derive(Default)]
-struct EventArrays {
+struct EventArrays<'a> {
     ids: Vec<i64>,
     attempts: Vec<i32>,
     outcomes: Vec<&'static str>,
     stages: Vec<Option<&'static str>>,
     codes: Vec<Option<i32>>,
-    details: Vec<Option<String>>,
+    details: Vec<Option<&'a str>>,
 }
 
-impl FinalizeArrays {
-    fn of(writes: &[Finalize]) -> Self {
+impl<'a> FinalizeArrays<'a> {
+    fn of(writes: &'a [Finalize]) -> Self {
         let n = writes.len();
         let mut a = FinalizeArrays {
             ids: Vec::with_capacity(n),
@@ -487,9 +521,7 @@ impl FinalizeArrays {
             statuses: Vec::with_capacity(n),
             delays: Vec::with_capacity(n),
             errors: Vec::with_capacity(n),
-            refunds: Vec::with_capacity(n),
-            processed: Vec::with_capacity(n),
-            relay_down: Vec::with_capacity(n),
+            flags: Vec::with_capacity(n),
             relay_replies: Vec::with_capacity(n),
             events: EventArrays::default(),
         };
@@ -499,18 +531,16 @@ impl FinalizeArrays {
             a.locks.push(w.lock.0);
             a.statuses.push(c.status);
             a.delays.push(c.delay_ms);
-            a.errors.push(c.error.map(str::to_string));
-            a.refunds.push(c.refund);
-            a.processed.push(c.processed);
-            a.relay_down.push(c.relay_down as i16);
-            a.relay_replies.push(w.relay_reply.clone());
+            a.errors.push(c.error);
+            a.flags.push(flags(&c));
+            a.relay_replies.push(w.relay_reply.as_deref());
             if let Some(e) = w.event_columns() {
                 a.events.ids.push(w.id);
                 a.events.attempts.push(e.attempt);
                 a.events.outcomes.push(e.outcome);
                 a.events.stages.push(e.stage);
                 a.events.codes.push(e.smtp_code);
-                a.events.details.push(e.detail.map(str::to_string));
+                a.events.details.push(e.detail);
             }
         }
         a

@@ -36,7 +36,7 @@ use super::{
 };
 
 /// How long the finalizer waits for more outcomes before writing a group.
-const FINALIZE_LINGER: Duration = Duration::from_millis(5);
+const FINALIZE_LINGER: Duration = Duration::from_millis(10);
 /// Most outcomes in one statement.
 const MAX_GROUP: usize = 1000;
 /// One mail's fate, on its way to the group commit.

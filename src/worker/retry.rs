@@ -28,8 +28,7 @@ pub fn relay_pause(failures: u32, jitter: f64) -> Duration {
 
 /// A random number in `[0, 1)` for jitter.
 pub fn jitter() -> f64 {
-    let bits = uuid::Uuid::new_v4().as_u128() as u64 >> 11;
-    bits as f64 / (1u64 << 53) as f64
+    crate::random::unit()
 }
 
 #[cfg(test)]
