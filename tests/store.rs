@@ -28,6 +28,8 @@ for_each_backend!(
     attachments_are_loaded_in_order_and_go_with_their_mail,
     errors_say_what_to_do,
     a_large_group_commit_writes_every_outcome,
+    a_group_commit_retried_after_a_lost_answer_finds_what_it_wrote,
+    a_claim_whose_answer_was_lost_is_put_back_unspent,
 );
 
 /// On the backends that fail over to a replica (PostgreSQL, MariaDB); SQLite
@@ -847,4 +849,74 @@ async fn a_lost_first_claim_gives_the_same_message_id_again(db: TestDb) {
     assert_eq!(again.len(), 2);
     assert_eq!(id_of(&again, a), a_first);
     assert_eq!(id_of(&again, b), b_first);
+}
+
+/// A group commit whose answer was lost is tried again; the fenced statement
+/// then finds none of the rows it wrote the first time (they are unlocked),
+/// and `unlocked_rows` says they are in the state it gave them, while a row
+/// another worker holds is not among them.
+async fn a_group_commit_retried_after_a_lost_answer_finds_what_it_wrote(db: TestDb) {
+    for i in 0..3 {
+        db.enqueue(mail(&format!("r{i}@example.com"), "x")).await;
+    }
+    let batch = claimed(&db, 3).await;
+    let (mine, theirs) = batch.split_at(2);
+    let writes: Vec<Finalize> = mine
+        .iter()
+        .map(|m| finalize(m, FinalAction::Sent))
+        .collect();
+    let first = db.store.finalize(&writes).await.unwrap();
+    assert_eq!(first.len(), 2);
+    // The retry of the same group: nothing left for it to write.
+    assert!(db.store.finalize(&writes).await.unwrap().is_empty());
+    let ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
+    let mut unlocked = db.store.unlocked_rows(&ids).await.unwrap();
+    unlocked.sort_by_key(|u| u.id);
+    let expected: Vec<(i64, &str)> = mine.iter().map(|m| (m.id, "sent")).collect();
+    assert_eq!(
+        unlocked
+            .iter()
+            .map(|u| (u.id, u.status.as_str()))
+            .collect::<Vec<_>>(),
+        expected
+    );
+    assert!(!unlocked.iter().any(|u| u.id == theirs[0].id));
+    assert!(db.store.unlocked_rows(&[]).await.unwrap().is_empty());
+}
+
+/// A claim whose answer never reached the daemon may have committed: its
+/// rows are `sending` under a lock nobody holds. Released by that lock, they
+/// are queued again with their attempt refunded; rows of other locks, and
+/// rows already finished, stay as they are.
+async fn a_claim_whose_answer_was_lost_is_put_back_unspent(db: TestDb) {
+    let a = db.enqueue(mail("a@example.com", "lost claim")).await;
+    let b = db.enqueue(mail("b@example.com", "lost claim")).await;
+    let lost = claim(2);
+    let batch = db.store.claim_batch(&lost).await.unwrap();
+    assert_eq!(batch.len(), 2);
+    let c = db.enqueue(mail("c@example.com", "held elsewhere")).await;
+    let other = claimed(&db, 10).await;
+    assert_eq!(other.iter().map(|m| m.id).collect::<Vec<_>>(), [c]);
+
+    assert_eq!(db.store.release_claim(lost.lock).await.unwrap(), 2);
+    for id in [a, b] {
+        let row = db.row(id).await;
+        assert_eq!(
+            (row.status.as_str(), row.attempts, row.attempts_remaining, row.locked),
+            ("queued", 0, 5, false),
+            "row {id}"
+        );
+    }
+    let row = db.row(c).await;
+    assert_eq!((row.status.as_str(), row.locked), ("sending", true));
+    assert_eq!(db.store.release_claim(lost.lock).await.unwrap(), 0);
+    // Claimed again, they go out under the Message-IDs they were given.
+    let again = claimed(&db, 10).await;
+    let mut ids: Vec<i64> = again.iter().map(|m| m.id).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [a, b]);
+    for m in &again {
+        let first = batch.iter().find(|f| f.id == m.id).unwrap();
+        assert_eq!(m.message_id, first.message_id);
+    }
 }

@@ -265,6 +265,15 @@ pub(crate) fn wire_chunks(
     chunks
 }
 
+/// A row no lock holds, and its status: what [`Store::unlocked_rows`] finds.
+///
+/// [`Store::unlocked_rows`]: super::Store::unlocked_rows
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnlockedRow {
+    pub id: i64,
+    pub status: String,
+}
+
 /// A row that `release_stale_locks` took back from a dead or stuck worker.
 #[derive(Debug, Clone, PartialEq)]
 pub struct StaleRow {

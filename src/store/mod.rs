@@ -48,7 +48,7 @@ pub(crate) use claim::ClaimBinds;
 pub use claim::{Attachment, BatchLock, Claim, MailContent, MailSizes, QueuedMail};
 pub use error::{Result, StoreError};
 pub use finalize::{
-    CountWrite, Event, EventOutcome, FinalAction, FinalColumns, Finalize, StaleRow,
+    CountWrite, Event, EventOutcome, FinalAction, FinalColumns, Finalize, StaleRow, UnlockedRow,
 };
 pub use new_mail::{Enqueued, NewAttachment, NewMail, DEFAULT_CONTENT_TYPE};
 pub use records::{
@@ -161,6 +161,17 @@ pub trait Store: Send + Sync + 'static {
 
     /// One round-trip to the database.
     async fn ping(&self) -> Result<()>;
+
+    /// Puts the rows claimed under `lock` back to `queued`, their attempt
+    /// refunded: a claim whose answer never came (the call timed out or the
+    /// connection broke) may have committed, and nothing of it was sent.
+    /// Returns how many rows it found.
+    async fn release_claim(&self, lock: BatchLock) -> Result<u64>;
+
+    /// Those of `ids` that no lock holds, with their status. After a group
+    /// commit whose answer was lost, the retry finds the rows it wrote the
+    /// first time finished and unlocked: not a lock taken away.
+    async fn unlocked_rows(&self, ids: &[i64]) -> Result<Vec<UnlockedRow>>;
 
     /// The text columns of a claimed row too large to come with its claim;
     /// `None` when this lock no longer holds it.

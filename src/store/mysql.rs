@@ -300,6 +300,12 @@ SELECT id, attempts, ?, 'operator', ? FROM mail_queue WHERE id = ? AND status = 
 UPDATE mail_queue SET status = 'cancelled', processed_at = UTC_TIMESTAMP(6)
 WHERE id = ? AND status = 'queued'
 "#,
+    release_claim: r#"
+UPDATE mail_queue
+SET status = 'queued', thread_lock = NULL, locked_at = NULL,
+    attempts = attempts - 1, attempts_remaining = attempts_remaining + 1
+WHERE thread_lock = ? AND status = 'sending'
+"#,
     purge_sent: r#"
 DELETE FROM mail_queue
 WHERE status = 'sent' AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND

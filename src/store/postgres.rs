@@ -267,6 +267,12 @@ SELECT id, attempts, $1, 'operator', $2 FROM mail_queue WHERE id = $3 AND status
 UPDATE mail_queue SET status = 'cancelled', processed_at = now()
 WHERE id = $1 AND status = 'queued'
 "#,
+    release_claim: r#"
+UPDATE mail_queue
+SET status = 'queued', thread_lock = NULL, locked_at = NULL,
+    attempts = attempts - 1, attempts_remaining = attempts_remaining + 1
+WHERE thread_lock = $1::uuid AND status = 'sending'
+"#,
     // Two statements, each walking the retention index in order: an OR of the
     // two conditions made the planner scan the whole table.
     purge_sent: r#"

@@ -12,7 +12,7 @@ use sqlx::{ColumnIndex, Database, Decode, Encode, FromRow, Row, Type};
 use super::{
     Attachment, AttachmentInfo, BatchLock, DaemonRow, EventRow, FailureGroup, MailContent,
     MailFilter, MailLookup, MailRecord, MailSizes, MailSummary, MinuteCount, QueuedMail,
-    RecentFailure, StaleRow, StatusCount,
+    RecentFailure, StaleRow, StatusCount, UnlockedRow,
 };
 
 /// The text columns a claim returns, each NULL unless the row fits the
@@ -115,6 +115,7 @@ from_row!(RecentFailure {
     last_error
 });
 from_row!(StaleRow { id, requeued });
+from_row!(UnlockedRow { id, status });
 from_row!(MailContent {
     from_name,
     from_address,

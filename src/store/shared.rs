@@ -80,6 +80,9 @@ pub(crate) struct Queries {
     pub cancel_event: &'static str,
     /// ($1 id).
     pub cancel: &'static str,
+    /// ($1 lock): the rows of a claim whose answer never came, back to
+    /// `queued` with their attempt refunded.
+    pub release_claim: &'static str,
     /// ($1 older than, $2 limit), for each kind of finished row.
     pub purge_sent: &'static str,
     pub purge_failed: &'static str,

@@ -17,7 +17,7 @@ use super::{
     Attachment, Backend, BatchLock, Claim, DaemonBeat, DaemonRow, Enqueued, EventOutcome,
     FailureGroup, Finalize, Finished, MailContent, MailFilter, MailLookup, MailRecord, MailSummary,
     Maintenance, MinuteCount, NewMail, QueueStats, QueuedMail, Result, RetrySelection, StaleRow,
-    Store, SILENT_AFTER_SECONDS,
+    Store, UnlockedRow, SILENT_AFTER_SECONDS,
 };
 
 #[async_trait]
@@ -114,6 +114,51 @@ where
     async fn ping(&self) -> Result<()> {
         self.shared
             .run(|c| Box::pin(async move { c.execute("SELECT 1").await.map(|_| ()) }))
+            .await
+    }
+
+    async fn release_claim(&self, lock: BatchLock) -> Result<u64> {
+        let sql = self.shared.queries.release_claim;
+        let released = self
+            .shared
+            .run(|c| {
+                Box::pin(async move {
+                    let done = sqlx::query(sql)
+                        .bind(lock.to_string())
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(done.count())
+                })
+            })
+            .await?;
+        if released > 0 {
+            self.shared.run(|c| Box::pin(D::rows_due_now(c))).await?;
+        }
+        Ok(released)
+    }
+
+    async fn unlocked_rows(&self, ids: &[i64]) -> Result<Vec<UnlockedRow>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let placeholders: Vec<String> = (1..=ids.len())
+            .map(self.shared.queries.placeholder)
+            .collect();
+        let sql = format!(
+            "SELECT id, status FROM mail_queue WHERE thread_lock IS NULL AND id IN ({})",
+            placeholders.join(", ")
+        );
+        let ids = ids.to_vec();
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut query = sqlx::query_as(sqlx::AssertSqlSafe(sql));
+                    for id in ids {
+                        query = query.bind(id);
+                    }
+                    query.fetch_all(&mut *c).await
+                })
+            })
             .await
     }
 

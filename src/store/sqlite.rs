@@ -240,6 +240,12 @@ SELECT id, attempts, ?1, 'operator', ?2 FROM mail_queue WHERE id = ?3 AND status
 UPDATE mail_queue SET status = 'cancelled', processed_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
 WHERE id = ?1 AND status = 'queued'
 "#,
+    release_claim: r#"
+UPDATE mail_queue
+SET status = 'queued', thread_lock = NULL, locked_at = NULL,
+    attempts = attempts - 1, attempts_remaining = attempts_remaining + 1
+WHERE thread_lock = ?1 AND status = 'sending'
+"#,
     purge_sent: r#"
 DELETE FROM mail_queue WHERE id IN (
     SELECT id FROM mail_queue

@@ -92,6 +92,14 @@ impl BatchReport {
 }
 
 /// Claims, sends and finalizes mails for one daemon.
+/// Claims whose answer never came (see [`Worker::release_lost_claims`]).
+#[derive(Default)]
+struct LostClaims {
+    locks: Vec<(BatchLock, std::time::Instant)>,
+    /// The last time their release was tried.
+    tried: Option<std::time::Instant>,
+}
+
 pub struct Worker {
     store: Arc<dyn Store>,
     transport: Arc<Transport>,
@@ -115,6 +123,9 @@ pub struct Worker {
     daemon_id: uuid::Uuid,
     /// When the database last answered a claim or a commit, in ms since `born`.
     db_answered_ms: AtomicU64,
+    /// Claims whose answer never came, with when they failed: their rows may
+    /// be `sending` under a lock nobody holds (see [`Worker::release_lost_claims`]).
+    lost_claims: std::sync::Mutex<LostClaims>,
     born: std::time::Instant,
 }
 
@@ -137,6 +148,7 @@ impl Worker {
             pace: Pace::new(settings.rate_limit),
             metrics: Arc::new(Metrics::default()),
             db_answered_ms: AtomicU64::new(0),
+            lost_claims: Default::default(),
             daemon_id: uuid::Uuid::new_v4(),
             born: std::time::Instant::now(),
             store,
@@ -256,7 +268,9 @@ impl Worker {
         tracing::info!("worker stopped");
     }
 
-    /// Claims up to `limit` due rows under a fresh batch lock.
+    /// Claims up to `limit` due rows under a fresh batch lock. A claim that
+    /// fails may still have committed: its lock is kept, to put its rows
+    /// back once the database answers again.
     async fn claim(&self, limit: usize) -> Result<Vec<QueuedMail>, StoreError> {
         let claim = Claim {
             lock: BatchLock::generate(),
@@ -265,13 +279,60 @@ impl Worker {
             message_id_domain: &self.message_id_domain,
             inline_limit: budget::INLINE_CONTENT,
         };
-        let mut mails = self.store.claim_batch(&claim).await?;
+        let mut mails = match self.store.claim_batch(&claim).await {
+            Ok(mails) => mails,
+            Err(e) => {
+                let mut lost = self.lost_claims.lock().expect("not poisoned");
+                lost.locks.push((claim.lock, std::time::Instant::now()));
+                return Err(e);
+            }
+        };
         self.database_answered();
         self.held.add(&mails);
         // The database returns them in no particular order; start the most
         // important ones first.
         mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
         Ok(mails)
+    }
+
+    /// Puts back the rows of claims whose answer never came, once the
+    /// database answers: without this they would wait, their attempt spent,
+    /// for the stale-lock sweep (`worker.lock_timeout`). A release that finds
+    /// nothing is tried again (a claim cut off on our side may still be
+    /// finishing on the server), at most once a second, until the sweep's
+    /// time has come anyway.
+    async fn release_lost_claims(&self) {
+        let due: Vec<BatchLock> = {
+            let mut lost = self.lost_claims.lock().expect("not poisoned");
+            let now = std::time::Instant::now();
+            let timeout = self.settings.lock_timeout;
+            lost.locks
+                .retain(|(_, at)| now.duration_since(*at) < timeout);
+            if lost.locks.is_empty()
+                || lost
+                    .tried
+                    .is_some_and(|t| now.duration_since(t).as_secs() < 1)
+            {
+                return;
+            }
+            lost.tried = Some(now);
+            lost.locks.iter().map(|(lock, _)| *lock).collect()
+        };
+        for lock in due {
+            match self.store.release_claim(lock).await {
+                Ok(0) => {}
+                Ok(rows) => {
+                    tracing::warn!(
+                        rows,
+                        lock = %lock,
+                        "claim whose answer was lost: its rows are queued again, attempt refunded"
+                    );
+                    let mut lost = self.lost_claims.lock().expect("not poisoned");
+                    lost.locks.retain(|(l, _)| *l != lock);
+                }
+                Err(_) => return, // still unavailable: the claim loop says so
+            }
+        }
     }
 
     /// How many claimed rows this daemon may hold at once: enough to keep
@@ -328,6 +389,7 @@ impl Worker {
                 more_due = true;
                 continue;
             }
+            self.release_lost_claims().await;
             let want = room.min(batch);
             // Not raced against `cancel`: a claim that committed must reach
             // the queue, or its rows would wait for the stale-lock sweep.

@@ -330,7 +330,7 @@ impl Worker {
             }
             let mut failures = 0u32;
             loop {
-                match self.commit(&group).await {
+                match self.commit(&group, failures > 0).await {
                     Ok(written) => {
                         for (done, written) in group.iter().zip(written) {
                             report.add(&done.decision.action, written);
@@ -367,13 +367,39 @@ impl Worker {
 
     /// Writes outcomes in one fenced statement and logs each. Returns, per
     /// outcome, whether it was written (false: the lock had been taken away).
-    async fn commit(&self, group: &[Done]) -> Result<Vec<bool>, StoreError> {
+    ///
+    /// `retried`: an earlier try of this group failed, and may have failed
+    /// only to answer: a row it wrote is now unlocked in the state it was
+    /// given, which the fenced statement no longer finds. Such rows are
+    /// looked up and counted as written, not as locks lost.
+    async fn commit(&self, group: &[Done], retried: bool) -> Result<Vec<bool>, StoreError> {
         if group.is_empty() {
             return Ok(Vec::new());
         }
         let writes: Vec<Finalize> = group.iter().map(Done::finalize).collect();
-        let written = self.store.finalize(&writes).await?;
+        let mut written = self.store.finalize(&writes).await?;
         self.database_answered();
+        if retried && written.len() < writes.len() {
+            let missing: Vec<i64> = writes
+                .iter()
+                .map(|w| w.id)
+                .filter(|id| !written.contains(id))
+                .collect();
+            let unlocked = self.store.unlocked_rows(&missing).await?;
+            let earlier = writes.iter().filter(|w| {
+                unlocked
+                    .iter()
+                    .any(|u| u.id == w.id && u.status == w.action.columns().status)
+            });
+            let earlier: Vec<i64> = earlier.map(|w| w.id).collect();
+            if !earlier.is_empty() {
+                tracing::info!(
+                    rows = earlier.len(),
+                    "outcomes already written by the try whose answer was lost"
+                );
+            }
+            written.extend(earlier);
+        }
         self.held.remove(group.iter().map(|d| d.id));
         let written: std::collections::HashSet<i64> = written.into_iter().collect();
         Ok(group
