@@ -816,3 +816,73 @@ async fn the_step_renews_its_locks_and_retries_its_commit() {
     assert_eq!((row.status.as_str(), row.attempts), ("sent", 1));
     assert_eq!(smtp.attempts().len(), 1, "sent once");
 }
+
+/// A claim that commits on the server while its answer never reaches the
+/// daemon (here: a trigger holds the claim's transaction 3 s, past the
+/// daemon's 2 s deadline; the server finishes it all the same) leaves rows
+/// `sending` under a lock no daemon holds. The daemon puts them back, their
+/// attempt refunded, as soon as the database answers, not after
+/// `worker.lock_timeout` (10 minutes here), and each mail goes out once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_answer_is_lost_gives_its_rows_back_unspent() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    const MAILS: usize = 20;
+    db.exec_script(
+        r#"
+CREATE TABLE lose_next_claim_answer (armed boolean);
+INSERT INTO lose_next_claim_answer VALUES (true);
+CREATE FUNCTION hold_the_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT FROM claimed WHERE status = 'sending') THEN
+        DELETE FROM lose_next_claim_answer;
+        IF FOUND THEN
+            PERFORM pg_sleep(3);
+        END IF;
+    END IF;
+    RETURN NULL;
+END;
+$$;
+CREATE TRIGGER hold_the_claim AFTER UPDATE ON mail_queue
+    REFERENCING NEW TABLE AS claimed FOR EACH STATEMENT EXECUTE FUNCTION hold_the_claim();
+"#,
+    )
+    .await;
+    let mails: Vec<NewMail> = (0..MAILS)
+        .map(|i| mail(&format!("lost{i}@example.com"), "a lost claim"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    let sink = SmtpSink::start(&[]);
+    let daemon = Daemon::start(daemon_env(
+        &db,
+        &sink.url(),
+        &[
+            ("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT", "2s"),
+            ("TABLEMAIL__WORKER__LOCK_TIMEOUT", "10m"),
+        ],
+    ));
+    // Well within worker.lock_timeout: the sweep cannot be what frees them.
+    eventually("every mail sent", Duration::from_secs(60), || async {
+        db.count("status = 'sent'").await == MAILS as i64
+    })
+    .await;
+    daemon
+        .wait_for_log(
+            "claim whose answer was lost: its rows are queued again, attempt refunded",
+            Duration::from_secs(5),
+        )
+        .await;
+    assert_eq!(
+        db.count("attempts = 1 AND attempts_remaining = 4").await,
+        MAILS as i64,
+        "the lost claim's attempt was not refunded"
+    );
+    sink.wait_for_mails(MAILS, Duration::from_secs(10)).await;
+    let seen = message_id_counts(&sink.mails());
+    assert_eq!(seen.len(), MAILS);
+    assert!(
+        seen.values().all(|n| *n == 1),
+        "a mail went out twice: {seen:?}"
+    );
+}

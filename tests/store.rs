@@ -902,7 +902,12 @@ async fn a_claim_whose_answer_was_lost_is_put_back_unspent(db: TestDb) {
     for id in [a, b] {
         let row = db.row(id).await;
         assert_eq!(
-            (row.status.as_str(), row.attempts, row.attempts_remaining, row.locked),
+            (
+                row.status.as_str(),
+                row.attempts,
+                row.attempts_remaining,
+                row.locked
+            ),
             ("queued", 0, 5, false),
             "row {id}"
         );
