@@ -886,3 +886,71 @@ CREATE TRIGGER hold_the_claim AFTER UPDATE ON mail_queue
         "a mail went out twice: {seen:?}"
     );
 }
+
+/// A group commit that commits on the server while its answer never
+/// reaches the daemon (a trigger holds the transaction 3 s, past the 2 s
+/// deadline) is tried again; the retry finds the rows already written by
+/// the first try and counts them as sent, not as locks lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_whose_answer_is_lost_is_not_taken_for_a_lost_lock() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    const MAILS: usize = 20;
+    db.exec_script(
+        r#"
+CREATE TABLE lose_next_commit_answer (armed boolean);
+INSERT INTO lose_next_commit_answer VALUES (true);
+CREATE FUNCTION hold_the_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT FROM written WHERE status = 'sent') THEN
+        DELETE FROM lose_next_commit_answer;
+        IF FOUND THEN
+            PERFORM pg_sleep(3);
+        END IF;
+    END IF;
+    RETURN NULL;
+END;
+$$;
+CREATE TRIGGER hold_the_commit AFTER UPDATE ON mail_queue
+    REFERENCING NEW TABLE AS written FOR EACH STATEMENT EXECUTE FUNCTION hold_the_commit();
+"#,
+    )
+    .await;
+    let mails: Vec<NewMail> = (0..MAILS)
+        .map(|i| mail(&format!("late{i}@example.com"), "a lost answer"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    let sink = SmtpSink::start(&[]);
+    let daemon = Daemon::start(daemon_env(
+        &db,
+        &sink.url(),
+        &[("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT", "2s")],
+    ));
+    eventually("every mail sent", Duration::from_secs(60), || async {
+        db.count("status = 'sent'").await == MAILS as i64
+    })
+    .await;
+    // The first try timed out, and the retry found its rows written.
+    daemon
+        .wait_for_log(
+            "outcomes already written by the try whose answer was lost",
+            Duration::from_secs(30),
+        )
+        .await;
+    eventually(
+        "a `mail sent` line per mail",
+        Duration::from_secs(10),
+        || async { daemon.logged("mail sent").len() == MAILS },
+    )
+    .await;
+    assert!(
+        daemon
+            .logged("mail lock lost: outcome not written")
+            .is_empty(),
+        "{}",
+        daemon.tail(40)
+    );
+    sink.wait_for_mails(MAILS, Duration::from_secs(10)).await;
+    assert!(message_id_counts(&sink.mails()).values().all(|n| *n == 1));
+}
