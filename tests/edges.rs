@@ -817,26 +817,19 @@ async fn the_step_renews_its_locks_and_retries_its_commit() {
     assert_eq!(smtp.attempts().len(), 1, "sent once");
 }
 
-/// A claim that commits on the server while its answer never reaches the
-/// daemon (here: a trigger holds the claim's transaction 3 s, past the
-/// daemon's 2 s deadline; the server finishes it all the same) leaves rows
-/// `sending` under a lock no daemon holds. The daemon puts them back, their
-/// attempt refunded, as soon as the database answers, not after
-/// `worker.lock_timeout` (10 minutes here), and each mail goes out once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_claim_whose_answer_is_lost_gives_its_rows_back_unspent() {
-    let Some(db) = TestDb::postgres().await else {
-        return;
-    };
-    const MAILS: usize = 20;
-    db.exec_script(
+/// Makes the next UPDATE of `mail_queue` that leaves a row in `status` hold
+/// its transaction 3 s before it can commit (once): the daemon, whose
+/// deadline is 2 s, stops waiting for an answer while the server goes on
+/// and commits.
+async fn hold_the_next_update_to(db: &TestDb, status: &str) {
+    db.exec_script(&format!(
         r#"
-CREATE TABLE lose_next_claim_answer (armed boolean);
-INSERT INTO lose_next_claim_answer VALUES (true);
-CREATE FUNCTION hold_the_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE TABLE hold_armed (armed boolean);
+INSERT INTO hold_armed VALUES (true);
+CREATE FUNCTION hold_the_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF EXISTS (SELECT FROM claimed WHERE status = 'sending') THEN
-        DELETE FROM lose_next_claim_answer;
+    IF EXISTS (SELECT FROM changed WHERE status = '{status}') THEN
+        DELETE FROM hold_armed;
         IF FOUND THEN
             PERFORM pg_sleep(3);
         END IF;
@@ -844,24 +837,44 @@ BEGIN
     RETURN NULL;
 END;
 $$;
-CREATE TRIGGER hold_the_claim AFTER UPDATE ON mail_queue
-    REFERENCING NEW TABLE AS claimed FOR EACH STATEMENT EXECUTE FUNCTION hold_the_claim();
-"#,
-    )
+CREATE TRIGGER hold_the_update AFTER UPDATE ON mail_queue
+    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION hold_the_update();
+"#
+    ))
     .await;
-    let mails: Vec<NewMail> = (0..MAILS)
-        .map(|i| mail(&format!("lost{i}@example.com"), "a lost claim"))
+}
+
+/// `n` mails queued, then a daemon with a 2 s deadline on every database
+/// call (and `extra` settings) sending them into a fresh sink.
+async fn drain_with_short_deadlines(
+    db: &TestDb,
+    n: usize,
+    extra: &[(&str, &str)],
+) -> (SmtpSink, Daemon) {
+    let mails: Vec<NewMail> = (0..n)
+        .map(|i| mail(&format!("held{i}@example.com"), "an answer lost"))
         .collect();
     db.store.enqueue(&mails).await.unwrap();
     let sink = SmtpSink::start(&[]);
-    let daemon = Daemon::start(daemon_env(
-        &db,
-        &sink.url(),
-        &[
-            ("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT", "2s"),
-            ("TABLEMAIL__WORKER__LOCK_TIMEOUT", "10m"),
-        ],
-    ));
+    let mut settings = vec![("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT", "2s")];
+    settings.extend_from_slice(extra);
+    let daemon = Daemon::start(daemon_env(db, &sink.url(), &settings));
+    (sink, daemon)
+}
+
+/// A claim that commits on the server while its answer never reaches the
+/// daemon leaves rows `sending` under a lock no daemon holds. The daemon puts
+/// them back, their attempt refunded, as soon as the database answers, not
+/// after `worker.lock_timeout` (10 minutes here), and each mail goes out once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_answer_is_lost_gives_its_rows_back_unspent() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    const MAILS: usize = 20;
+    hold_the_next_update_to(&db, "sending").await;
+    let (sink, daemon) =
+        drain_with_short_deadlines(&db, MAILS, &[("TABLEMAIL__WORKER__LOCK_TIMEOUT", "10m")]).await;
     // Well within worker.lock_timeout: the sweep cannot be what frees them.
     eventually("every mail sent", Duration::from_secs(60), || async {
         db.count("status = 'sent'").await == MAILS as i64
@@ -888,45 +901,16 @@ CREATE TRIGGER hold_the_claim AFTER UPDATE ON mail_queue
 }
 
 /// A group commit that commits on the server while its answer never
-/// reaches the daemon (a trigger holds the transaction 3 s, past the 2 s
-/// deadline) is tried again; the retry finds the rows already written by
-/// the first try and counts them as sent, not as locks lost.
+/// reaches the daemon is tried again; the retry finds the rows already
+/// written by the first try and counts them as sent, not as locks lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_whose_answer_is_lost_is_not_taken_for_a_lost_lock() {
     let Some(db) = TestDb::postgres().await else {
         return;
     };
     const MAILS: usize = 20;
-    db.exec_script(
-        r#"
-CREATE TABLE lose_next_commit_answer (armed boolean);
-INSERT INTO lose_next_commit_answer VALUES (true);
-CREATE FUNCTION hold_the_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    IF EXISTS (SELECT FROM written WHERE status = 'sent') THEN
-        DELETE FROM lose_next_commit_answer;
-        IF FOUND THEN
-            PERFORM pg_sleep(3);
-        END IF;
-    END IF;
-    RETURN NULL;
-END;
-$$;
-CREATE TRIGGER hold_the_commit AFTER UPDATE ON mail_queue
-    REFERENCING NEW TABLE AS written FOR EACH STATEMENT EXECUTE FUNCTION hold_the_commit();
-"#,
-    )
-    .await;
-    let mails: Vec<NewMail> = (0..MAILS)
-        .map(|i| mail(&format!("late{i}@example.com"), "a lost answer"))
-        .collect();
-    db.store.enqueue(&mails).await.unwrap();
-    let sink = SmtpSink::start(&[]);
-    let daemon = Daemon::start(daemon_env(
-        &db,
-        &sink.url(),
-        &[("TABLEMAIL__DATABASE__STATEMENT_TIMEOUT", "2s")],
-    ));
+    hold_the_next_update_to(&db, "sent").await;
+    let (sink, daemon) = drain_with_short_deadlines(&db, MAILS, &[]).await;
     eventually("every mail sent", Duration::from_secs(60), || async {
         db.count("status = 'sent'").await == MAILS as i64
     })
