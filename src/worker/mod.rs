@@ -299,15 +299,17 @@ impl Worker {
     /// database answers: without this they would wait, their attempt spent,
     /// for the stale-lock sweep (`worker.lock_timeout`). A release that finds
     /// nothing is tried again (a claim cut off on our side may still be
-    /// finishing on the server), at most once a second, until the sweep's
-    /// time has come anyway.
+    /// finishing on the server), at most once a second, for a minute after
+    /// the claim failed (a claim that never reached the server, as in a long
+    /// outage, finds nothing for that long and is then forgotten); the sweep
+    /// takes whatever is left.
     async fn release_lost_claims(&self) {
+        const KEEP_TRYING: std::time::Duration = std::time::Duration::from_secs(60);
         let due: Vec<BatchLock> = {
             let mut lost = self.lost_claims.lock().expect("not poisoned");
             let now = std::time::Instant::now();
-            let timeout = self.settings.lock_timeout;
-            lost.locks
-                .retain(|(_, at)| now.duration_since(*at) < timeout);
+            let keep = KEEP_TRYING.min(self.settings.lock_timeout);
+            lost.locks.retain(|(_, at)| now.duration_since(*at) < keep);
             if lost.locks.is_empty()
                 || lost
                     .tried
