@@ -91,7 +91,6 @@ impl BatchReport {
     }
 }
 
-/// Claims, sends and finalizes mails for one daemon.
 /// Claims whose answer never came (see [`Worker::release_lost_claims`]).
 #[derive(Default)]
 struct LostClaims {
@@ -100,6 +99,7 @@ struct LostClaims {
     tried: Option<std::time::Instant>,
 }
 
+/// Claims, sends and finalizes mails for one daemon.
 pub struct Worker {
     store: Arc<dyn Store>,
     transport: Arc<Transport>,
