@@ -377,7 +377,8 @@ impl Worker {
             return Ok(Vec::new());
         }
         let writes: Vec<Finalize> = group.iter().map(Done::finalize).collect();
-        let mut written = self.store.finalize(&writes).await?;
+        let mut written: std::collections::HashSet<i64> =
+            self.store.finalize(&writes).await?.into_iter().collect();
         self.database_answered();
         if retried && written.len() < writes.len() {
             let missing: Vec<i64> = writes
@@ -385,23 +386,30 @@ impl Worker {
                 .map(|w| w.id)
                 .filter(|id| !written.contains(id))
                 .collect();
-            let unlocked = self.store.unlocked_rows(&missing).await?;
-            let earlier = writes.iter().filter(|w| {
-                unlocked
+            let unlocked: std::collections::HashMap<i64, String> = self
+                .store
+                .unlocked_rows(&missing)
+                .await?
+                .into_iter()
+                .map(|u| (u.id, u.status))
+                .collect();
+            let before = written.len();
+            written.extend(
+                writes
                     .iter()
-                    .any(|u| u.id == w.id && u.status == w.action.columns().status)
-            });
-            let earlier: Vec<i64> = earlier.map(|w| w.id).collect();
-            if !earlier.is_empty() {
+                    .filter(|w| {
+                        unlocked.get(&w.id).map(String::as_str) == Some(w.action.columns().status)
+                    })
+                    .map(|w| w.id),
+            );
+            if written.len() > before {
                 tracing::info!(
-                    rows = earlier.len(),
+                    rows = written.len() - before,
                     "outcomes already written by the try whose answer was lost"
                 );
             }
-            written.extend(earlier);
         }
         self.held.remove(group.iter().map(|d| d.id));
-        let written: std::collections::HashSet<i64> = written.into_iter().collect();
         Ok(group
             .iter()
             .map(|d| {
