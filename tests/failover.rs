@@ -300,10 +300,7 @@ async fn failover_during_a_drain(version: &str, replication: Replication) -> Fig
 
     let logs = daemon.logs();
     assert!(
-        logs.iter().any(|l| l["message"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("database unavailable")),
+        daemon.logged_starting("database unavailable"),
         "the outage was logged"
     );
     daemon.signal("TERM");

@@ -83,12 +83,8 @@ async fn postgres_restart_during_a_drain_loses_nothing() {
         daemon.child.try_wait().unwrap().is_none(),
         "the daemon died"
     );
-    let logs = daemon.logs();
     assert!(
-        logs.iter().any(|l| l["message"]
-            .as_str()
-            .unwrap_or("")
-            .starts_with("database unavailable")),
+        daemon.logged_starting("database unavailable"),
         "the outage was logged"
     );
     daemon.signal("TERM");

@@ -723,6 +723,14 @@ impl Daemon {
             .collect()
     }
 
+    /// Whether a log line's message starts with `prefix` (messages that
+    /// carry a cause after a colon, as `database unavailable: …`).
+    pub fn logged_starting(&self, prefix: &str) -> bool {
+        self.logs()
+            .iter()
+            .any(|l| l["message"].as_str().unwrap_or("").starts_with(prefix))
+    }
+
     /// Waits for the first log line with this message, and returns it.
     pub async fn wait_for_log(&self, message: &str, limit: Duration) -> serde_json::Value {
         eventually(&format!("the log line {message:?}"), limit, || async {
