@@ -26,11 +26,13 @@ fn attempt_ids(smtp: &SmtpServer) -> Vec<String> {
 
 async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
     for ambiguous in ["hold", "resend"] {
-        // The relay has each mail once "." arrives, but answers 8 s later
-        // (long enough for a loaded machine to see all three in flight).
-        let smtp = SmtpServer::start(&["--slow", "8"]);
+        // The relay has each mail once "." arrives, but holds its first
+        // reply far longer than the test runs: all three are in flight at
+        // the shutdown however slowly a loaded machine hands them over. A
+        // resend (same Message-ID) is answered at once.
+        let smtp = SmtpServer::start(&["--slow", "300"]);
         let mails: Vec<NewMail> = (0..3)
-            .map(|i| mail(&format!("slow-{ambiguous}{i}@example.com"), "late"))
+            .map(|i| mail(&format!("slowonce-{ambiguous}{i}@example.com"), "late"))
             .collect();
         let ids: Vec<i64> = db
             .store
@@ -49,21 +51,24 @@ async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
                 // One row per claim: each mail on a lane of its own, all
                 // three in flight at once.
                 ("TABLEMAIL__WORKER__BATCH_SIZE", "1"),
-                ("TABLEMAIL__WORKER__RETRY_BASE", "8s"),
-                ("TABLEMAIL__WORKER__RETRY_MAX", "8s"),
-                ("TABLEMAIL__TRANSPORT__DATA_TIMEOUT", "30s"),
+                // Long enough that the restarted daemon sends its marker
+                // first on a loaded machine.
+                ("TABLEMAIL__WORKER__RETRY_BASE", "15s"),
+                ("TABLEMAIL__WORKER__RETRY_MAX", "15s"),
+                ("TABLEMAIL__TRANSPORT__DATA_TIMEOUT", "10m"),
             ],
         );
         let mut daemon = Daemon::start(env.clone());
         eventually(
             "three mails past the dot",
-            Duration::from_secs(15),
+            Duration::from_secs(30),
             || async { smtp.attempts().len() == 3 },
         )
         .await;
         assert!(
             daemon.logged("mail sent").is_empty(),
-            "{ambiguous}: the relay answered before the shutdown"
+            "{ambiguous}: the relay answered before the shutdown\n{}",
+            daemon.output()
         );
         daemon.signal("TERM");
         assert_eq!(daemon.wait_exit(Duration::from_secs(15)).await, 0);
@@ -114,7 +119,7 @@ async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
         if ambiguous == "resend" {
             eventually(
                 "the resend after the backoff",
-                Duration::from_secs(30),
+                Duration::from_secs(45),
                 || async { db.count("status = 'sent'").await == 4 },
             )
             .await;

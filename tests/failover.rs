@@ -35,6 +35,8 @@ const CLAIM_AHEAD: usize = 2 * CONCURRENCY + 4 * BATCH_SIZE;
 /// The standby's `application_name`, which `synchronous_standby_names` names.
 const STANDBY_NAME: &str = "tablemail_standby";
 const DATABASE: &str = "tablemail";
+/// Mails inserted one at a time into the idle daemon after the failover.
+const PICKUPS: usize = 100;
 
 /// Each test makes two clusters and drains 20,000 mails: one at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -280,23 +282,38 @@ async fn failover_during_a_drain(version: &str, replication: Replication) -> Fig
     // The daemon is idle now, and polls only once a minute: a mail inserted
     // through the moved address is picked up at once only if its wake-up
     // listens on the new primary.
+    // One at a time, idle between them, PICKUPS times: the figure is the
+    // pickup's p50 and p99 (printed; the time it may take is the
+    // benchmark's business, that it is NOTIFY's and not the poll's is ours).
     let application = connect(&address_url).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let before = sink.captured_bytes();
-    let inserted = Instant::now();
-    exec(
-        &application,
-        "INSERT INTO mail_queue (to_address, subject, body) \
-         VALUES ('after-failover@example.com', 'After', 'Hello')",
-    )
-    .await;
-    eventually(
-        "the mail inserted after the failover",
-        Duration::from_secs(5),
-        || async { sink.captured_bytes() > before },
-    )
-    .await;
-    let pickup = inserted.elapsed();
+    let mut pickups = Vec::with_capacity(PICKUPS);
+    for i in 0..PICKUPS {
+        tokio::time::sleep(Duration::from_millis(15 + (i % 7) as u64)).await;
+        let before = sink.captured_bytes();
+        exec(
+            &application,
+            &format!(
+                "INSERT INTO mail_queue (to_address, subject, body) \
+                 VALUES ('after-failover{i}@example.com', 'After', 'Hello')"
+            ),
+        )
+        .await;
+        let inserted = Instant::now();
+        let deadline = inserted + Duration::from_secs(5);
+        while sink.captured_bytes() == before {
+            assert!(
+                Instant::now() < deadline,
+                "mail {i} inserted after the failover not picked up within 5 s: \
+                 not woken by NOTIFY"
+            );
+            tokio::time::sleep(Duration::from_micros(500)).await;
+        }
+        pickups.push(inserted.elapsed());
+    }
+    pickups.sort();
+    let pickup_p50 = pickups[PICKUPS / 2];
+    let pickup_p99 = pickups[PICKUPS * 99 / 100];
 
     let logs = daemon.logs();
     assert!(
@@ -366,16 +383,22 @@ async fn failover_during_a_drain(version: &str, replication: Replication) -> Fig
          promoted and switched {} / {} after the kill; at promotion {state_at_promotion:?}; \
          mail flowing again {} after the kill; all sent {} after the kill; \
          lost {lost}, duplicates {duplicates} ({resent_under_new_id} under a new Message-ID); \
-         pickup after the failover {} ms (poll interval 60 s); \
+         pickup after the failover p50 {:.1} / p99 {:.1} ms over {PICKUPS} mails \
+         (poll interval 60 s); \
          the daemon's warnings and errors: {complaints:?}",
         secs(promoted_after),
         secs(switched_after),
         flowing_after.map_or("never".into(), secs),
         secs(drained_after),
-        pickup.as_millis(),
+        pickup_p50.as_secs_f64() * 1000.0,
+        pickup_p99.as_secs_f64() * 1000.0,
     );
 
-    assert_eq!(rows.len(), MAILS + 1, "a row is missing on the new primary");
+    assert_eq!(
+        rows.len(),
+        MAILS + PICKUPS,
+        "a row is missing on the new primary"
+    );
     assert_eq!(not_sent, 0, "rows not sent on the new primary");
     assert_eq!(lost, 0, "mails the sink never received");
     assert_eq!(
@@ -389,10 +412,6 @@ async fn failover_during_a_drain(version: &str, replication: Replication) -> Fig
     assert_eq!(
         resent_under_new_id, 0,
         "a mail went out under two Message-IDs"
-    );
-    assert!(
-        pickup < Duration::from_secs(5),
-        "pickup took {pickup:?}: not woken by NOTIFY"
     );
     Figures {
         duplicates,

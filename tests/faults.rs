@@ -267,6 +267,68 @@ async fn closed_port_that_later_opens_spends_no_attempts(db: TestDb) {
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 }
 
+/// A relay that answers 421 to every MAIL FROM (Postfix's client message
+/// rate limit says so, before any recipient is named) is throttling as a
+/// whole: the relay gate pauses and probes, the pace slows, and no recipient
+/// domain is paused for it — a paused domain had every mail claimed after
+/// each relay pause deferred unsent, hundreds of rows a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_refusing_every_mail_from_pauses_no_recipient_domain() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let port = free_port();
+    let refusing = SmtpSink::start_on(port, &["-Q", "MAIL"]);
+    let mails: Vec<NewMail> = (0..300)
+        .map(|i| mail(&format!("u{i}@example.com"), "x"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    let env = daemon_env(
+        &db,
+        &format!("smtp://127.0.0.1:{port}"),
+        &[("TABLEMAIL__WORKER__POLL_INTERVAL", "100ms")],
+    );
+    let mut daemon = Daemon::start(env);
+    // A few rounds of pause, probe (EHLO is answered) and refusal.
+    eventually("three relay pauses", Duration::from_secs(60), || async {
+        daemon.logged("relay unavailable").len() >= 3
+    })
+    .await;
+    assert!(
+        daemon.logged("domain throttling: pausing it").is_empty(),
+        "a refused MAIL paused a recipient domain:\n{}",
+        daemon.output()
+    );
+    let slowed_down = daemon
+        .logged("mail deferred")
+        .into_iter()
+        .filter(|l| {
+            l["error"]
+                .as_str()
+                .unwrap_or("")
+                .contains("asked to slow down")
+        })
+        .count();
+    assert_eq!(slowed_down, 0, "mails deferred for a domain pause");
+
+    drop(refusing);
+    let sink = SmtpSink::start_on(port, &[]);
+    eventually(
+        "all sent once the relay takes mail again",
+        Duration::from_secs(120),
+        || async {
+            db.scalar_i64("SELECT count(*) FROM mail_queue WHERE status = 'sent' AND attempts = 1")
+                .await
+                == 300
+        },
+    )
+    .await;
+    // One attempt each: the refusals spent nothing.
+    assert_eq!(sink.mails().len(), 300, "each mail once");
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+}
+
 async fn auth_rejected_needs_an_operator(db: TestDb) {
     let smtp = SmtpServer::start(&["--auth", "mailer:right"]);
     let id = one(&db, "a@example.com").await;

@@ -15,8 +15,10 @@
 //!    them (no reset, no close), new connections work;
 //! 6. the same for the relay's connections.
 //!
-//! No fault starts in the last two minutes. Then the feeder stops and the
-//! daemons get up to four minutes to finish every due row. The bench itself
+//! The first and the last five minutes of an hour (a twelfth of a shorter
+//! soak) are left without faults: the first fault comes after them, and none
+//! starts unless its minute of outage ends before them. Then the feeder stops
+//! and the daemons get up to four minutes to finish every due row. The bench itself
 //! deletes `sent` rows a minute old every 10 s, counting them (the daemons'
 //! retention would delete them uncounted), so the table stays small and every
 //! row is accounted for: inserted = sent (deleted or not) + the rest, by
@@ -26,7 +28,7 @@
 //! past "." when a daemon was killed or the relay cut off, `worker.concurrency`
 //! per daemon hit), the first daemon's RSS at the first and the last minute
 //! (the second is restarted), and the last five minutes' throughput against
-//! the first five.
+//! the first five (both without faults).
 
 use std::{
     process::Command,
@@ -75,6 +77,14 @@ const RESTART_AFTER: Duration = Duration::from_secs(5);
 const DAEMONS: usize = 2;
 /// `worker.concurrency`'s default: the mails one daemon may have past ".".
 const IN_FLIGHT: usize = 16;
+
+/// The fault-free stretch at each end of the soak: five minutes of an hour
+/// (a twelfth of a shorter soak). The throughput of the last five minutes
+/// against the first five then says whether an hour of faults left the
+/// daemons slower, not which faults fell into which window.
+fn quiet_span(duration: Duration) -> Duration {
+    (duration / 12).min(Duration::from_secs(300))
+}
 
 /// What undoes the fault in progress.
 enum Undo {
@@ -232,7 +242,10 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
     let mut minute_start = (Instant::now(), relay.messages());
     let (mut rss_first_kib, mut rss_last_kib) = (0, 0);
     let mut faults = Vec::new();
-    let mut next_fault = started + every;
+    // The first and the last minutes are left without faults, so that the
+    // throughput before the faults and after them compare like with like.
+    let quiet = quiet_span(duration);
+    let mut next_fault = started + quiet;
     let mut cycle = Fault::CYCLE.iter().cycle();
     let mut undo: Option<(Instant, Undo)> = None;
     let mut restarts = 0;
@@ -284,7 +297,7 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
                 }
             }
         }
-        let room = started.elapsed() + OUTAGE + Duration::from_secs(60) <= duration;
+        let room = started.elapsed() + OUTAGE + quiet <= duration;
         if undo.is_none() && Instant::now() >= next_fault && room {
             next_fault += every;
             let fault = *cycle.next().unwrap();

@@ -2,8 +2,9 @@
 //! when the relay says it is sent too much (a 421, or a 4.7.x reply such as
 //! "451 4.7.1 Rate limit exceeded").
 //!
-//! A throttling reply slows the recipient domain that drew it: that domain
-//! pauses (1 s, 2 s, 4 s, up to 5 s while it keeps throttling), its mails
+//! A throttling reply to RCPT or later slows the recipient domain that drew
+//! it (a refused MAIL comes before any recipient: it only counts towards the
+//! whole relay's throttling): that domain pauses (1 s, 2 s, 4 s, up to 5 s while it keeps throttling), its mails
 //! are deferred meanwhile, and one success to it ends the pause. Only when
 //! throttling replies come one after the other with no success between them
 //! (the whole relay throttles) does the daemon's own pace back off, halving

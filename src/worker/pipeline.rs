@@ -23,7 +23,7 @@ use tracing::Instrument;
 
 use crate::{
     mail,
-    smtp::{Outgoing, Session},
+    smtp::{Outgoing, Session, Stage},
     store::{Event, FinalAction, Finalize, StoreError},
 };
 
@@ -265,7 +265,16 @@ impl Worker {
             Attempt::Failed(e) => {
                 smtp_code = e.code();
                 if e.is_throttling() && e.stage.in_transaction() {
-                    let whole_relay = self.throttles.throttled(domain_names());
+                    // A refusal of MAIL comes before any recipient is named:
+                    // it is about the sender or the relay as a whole, never
+                    // a recipient domain. Pausing the domains for it only
+                    // had their mails claimed and deferred unsent once the
+                    // relay gate opened again.
+                    let whole_relay = if e.stage == Stage::MailFrom {
+                        self.throttles.throttled([])
+                    } else {
+                        self.throttles.throttled(domain_names())
+                    };
                     if whole_relay {
                         self.pace.throttled();
                     }

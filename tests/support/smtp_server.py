@@ -19,6 +19,8 @@ serves every case of a test:
   dropdot-*   the connection is closed after end of data, with no reply
               (the mail is recorded as received: the relay "has" it)
   slow-*      the reply to end of data waits --slow seconds
+  slowonce-*  as slow-*, but only the first time a Message-ID is seen (a
+              resend is answered at once)
 Server-wide options: --auth USER:PASS (AUTH required), --tls CERT KEY (offer
 STARTTLS), --implicit-tls CERT KEY (TLS from the first byte), --throttle-file
 PATH (while PATH exists, every RCPT is answered 421 4.7.0: the whole relay
@@ -44,7 +46,7 @@ def rule_of(rcpts):
     for r in rcpts:
         local = r.split("@", 1)[0].lower()
         for prefix in ("rcpt451", "rcpt550", "data451", "data554", "flaky", "twice451", "dropdot",
-                       "slow"):
+                       "slowonce", "slow"):
             if local.startswith(prefix):
                 return prefix
     return None
@@ -102,6 +104,11 @@ class Recorder:
                 return "451 4.3.0 Greylisted, come back later"
         if rule == "slow":
             await asyncio.sleep(self.slow)
+        if rule == "slowonce":
+            mid = message_id(envelope.original_content)
+            if mid not in self.seen_ids:
+                self.seen_ids.add(mid)
+                await asyncio.sleep(self.slow)
         self.append(self.out, envelope)
         if rule == "dropdot":
             server.transport.close()
