@@ -39,7 +39,7 @@ async fn soft_rejects_are_transient(db: TestDb) {
         (".", "end of data: 450"),
     ] {
         let sink = SmtpSink::start(&["-r", flag]);
-        let worker = worker(&db, &settings(&db, &sink.url()));
+        let worker = worker(&db, &long_backoff(settings(&db, &sink.url())));
         let id = one(&db, "a@example.com").await;
         let report = worker.process_batch().await.unwrap();
         assert_eq!(report.retried, 1, "-r {flag}");

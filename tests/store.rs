@@ -835,11 +835,14 @@ async fn a_lost_first_claim_gives_the_same_message_id_again(db: TestDb) {
     };
     let (a_first, b_first) = (id_of(&first, a), id_of(&first, b));
     assert_ne!(a_first, b_first);
+    // A hash of the row (16 hex digits or more), then the row's id.
     let local = a_first.trim_start_matches('<').split('@').next().unwrap();
+    let (hash, id) = local.split_once('.').expect("hash.id");
     assert!(
-        local.len() > 20 && local[..20].bytes().all(|c| c.is_ascii_hexdigit()),
+        hash.len() >= 16 && hash.bytes().all(|c| c.is_ascii_hexdigit()),
         "{a_first}"
     );
+    assert_eq!(id, a.to_string(), "{a_first}");
     db.exec(&format!(
         "UPDATE mail_queue SET status = 'queued', thread_lock = NULL, locked_at = NULL, \
          attempts = 0, attempts_remaining = 5, message_id = NULL WHERE id IN ({a}, {b})"

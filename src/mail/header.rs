@@ -813,10 +813,10 @@ mod tests {
             extra_headers(Some(&many(101))).unwrap_err(),
             MailError::TooManyHeaders { max: 100 }
         );
-        let started = std::time::Instant::now();
+        // Refused by its size, before any parsing (a parse would have
+        // stopped at the count instead: TooManyHeaders).
         let err = extra_headers(Some(&many(100_000))).unwrap_err();
         assert!(matches!(err, MailError::HeadersTooLarge { .. }), "{err}");
-        assert!(started.elapsed() < std::time::Duration::from_millis(100));
     }
 
     #[test]

@@ -611,6 +611,15 @@ pub fn settings(db: &TestDb, transport_url: &str) -> Settings {
     Settings::load_from(None, env).expect("test settings")
 }
 
+/// `settings` whose retries wait a minute: a test that checks a row is
+/// scheduled for later reads it long before it is due again, however loaded
+/// the machine (it moves the row along with `make_due`).
+pub fn long_backoff(mut settings: Settings) -> Settings {
+    settings.worker.retry_base = Duration::from_secs(60);
+    settings.worker.retry_max = Duration::from_secs(60);
+    settings
+}
+
 pub fn worker(db: &TestDb, settings: &Settings) -> Arc<Worker> {
     let transport = commands::build_transport(settings).expect("transport");
     Worker::new(
