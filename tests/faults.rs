@@ -79,7 +79,8 @@ async fn hard_rejects_are_permanent(db: TestDb) {
 
 async fn relay_unavailable_refunds_the_attempt(db: TestDb) {
     // A 421 to MAIL, RCPT or ".", or a 4xx greeting, for two mails to two
-    // domains (a 421 slows its own domain first), while nothing goes through.
+    // domains (a 421 to RCPT or "." slows its own domain first), while
+    // nothing goes through.
     for (flags, mid_transaction) in [
         (["-Q", "MAIL"], true),
         (["-Q", "RCPT"], true),

@@ -827,9 +827,12 @@ pub fn output(cmd: &mut Command) -> (i32, String, String) {
     )
 }
 
-/// The binary under test.
+/// The binary under test: this build's, or the one `TABLEMAIL_TEST_BIN`
+/// names (a release build, for the figures a test prints).
 pub fn tablemail() -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_tablemail"));
+    let bin = std::env::var_os("TABLEMAIL_TEST_BIN")
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_tablemail").into());
+    let mut cmd = Command::new(bin);
     cmd.env_remove("RUST_LOG");
     for (k, _) in std::env::vars() {
         if k.starts_with("TABLEMAIL__") {
