@@ -26,8 +26,8 @@
 //! missing, mails marked sent the sink never got), duplicates (the sink's count
 //! minus the rows sent, against their bound: the mails that may have been
 //! past "." when a daemon was killed or the relay cut off, `worker.concurrency`
-//! per daemon hit), the first daemon's RSS at the first and the last minute
-//! (the second is restarted), and the last five minutes' throughput against
+//! per daemon hit), the first daemon's RSS at the end of every minute (the
+//! second is restarted), and the last five minutes' throughput against
 //! the first five (both without faults).
 
 use std::{
@@ -167,6 +167,9 @@ pub(super) struct ChaosReport {
     rss_first_kib: u64,
     rss_last_kib: u64,
     peak_rss_kib: u64,
+    /// Daemon 1's RSS at the end of each minute: a level reached early
+    /// tells apart from a slow climb.
+    rss_per_minute_kib: Vec<u64>,
     log_counts: Vec<(&'static str, usize)>,
     feeder_errors: usize,
 }
@@ -241,6 +244,7 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
     let mut per_minute = Vec::new();
     let mut minute_start = (Instant::now(), relay.messages());
     let (mut rss_first_kib, mut rss_last_kib) = (0, 0);
+    let mut rss_per_minute_kib = Vec::new();
     let mut faults = Vec::new();
     // The first and the last minutes are left without faults, so that the
     // throughput before the faults and after them compare like with like.
@@ -282,6 +286,7 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
             per_minute.push(rate);
             minute_start = now;
             rss_last_kib = daemons[0].rss_kib();
+            rss_per_minute_kib.push(rss_last_kib);
             if per_minute.len() == 1 {
                 rss_first_kib = rss_last_kib;
             }
@@ -430,6 +435,7 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
         rss_first_kib,
         rss_last_kib,
         peak_rss_kib,
+        rss_per_minute_kib,
         log_counts,
         feeder_errors,
     }
@@ -484,6 +490,14 @@ pub(super) fn report(r: &ChaosReport) {
             r.rss_last_kib as f64 / 1024.0,
             r.peak_rss_kib as f64 / 1024.0
         ),
+    );
+    line(
+        "daemon 1 RSS per minute (MiB)",
+        r.rss_per_minute_kib
+            .iter()
+            .map(|k| format!("{:.1}", *k as f64 / 1024.0))
+            .collect::<Vec<_>>()
+            .join(" "),
     );
     if !r.per_minute.is_empty() {
         let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
