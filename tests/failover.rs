@@ -300,6 +300,8 @@ async fn failover_during_a_drain(version: &str, replication: Replication) -> Fig
         )
         .await;
         let inserted = Instant::now();
+        // Polled every half millisecond (`eventually` polls every 20, too
+        // coarse for the figure).
         let deadline = inserted + Duration::from_secs(5);
         while sink.captured_bytes() == before {
             assert!(

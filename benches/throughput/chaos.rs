@@ -15,20 +15,20 @@
 //!    them (no reset, no close), new connections work;
 //! 6. the same for the relay's connections.
 //!
-//! The first and the last five minutes of an hour (a twelfth of a shorter
-//! soak) are left without faults: the first fault comes after them, and none
-//! starts unless its minute of outage ends before them. Then the feeder stops
-//! and the daemons get up to four minutes to finish every due row. The bench itself
+//! The first and the last five minutes of an hour (a twelfth of a shorter soak)
+//! are left without faults: the first fault comes after them, and none starts
+//! unless its minute of outage ends before them. Then the feeder stops and the
+//! daemons get up to four minutes to finish every due row. The bench itself
 //! deletes `sent` rows a minute old every 10 s, counting them (the daemons'
 //! retention would delete them uncounted), so the table stays small and every
 //! row is accounted for: inserted = sent (deleted or not) + the rest, by
 //! status. Printed: lost (rows neither finished nor queued for a reason, rows
 //! missing, mails marked sent the sink never got), duplicates (the sink's count
-//! minus the rows sent, against their bound: the mails that may have been
-//! past "." when a daemon was killed or the relay cut off, `worker.concurrency`
-//! per daemon hit), the first daemon's RSS at the end of every minute (the
-//! second is restarted), and the last five minutes' throughput against
-//! the first five (both without faults).
+//! minus the rows sent, against their bound: the mails that may have been past
+//! "." when a daemon was killed or the relay cut off, `worker.concurrency` per
+//! daemon hit), the first daemon's RSS at the end of every minute (the second
+//! is restarted), and the last five minutes' throughput against the first five
+//! (both without faults).
 
 use std::{
     process::Command,
@@ -164,11 +164,9 @@ pub(super) struct ChaosReport {
     /// Mails that may have been past "." at a fault: duplicates' bound.
     bound: usize,
     settle_seconds: f64,
-    rss_first_kib: u64,
-    rss_last_kib: u64,
     peak_rss_kib: u64,
-    /// Daemon 1's RSS at the end of each minute: a level reached early
-    /// tells apart from a slow climb.
+    /// Daemon 1's RSS at the end of each minute (the first and the last are
+    /// the growth): a level reached early tells apart from a slow climb.
     rss_per_minute_kib: Vec<u64>,
     log_counts: Vec<(&'static str, usize)>,
     feeder_errors: usize,
@@ -243,7 +241,6 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
     let (mut inserted, mut sent_deleted, mut feeder_errors) = (0i64, 0i64, 0usize);
     let mut per_minute = Vec::new();
     let mut minute_start = (Instant::now(), relay.messages());
-    let (mut rss_first_kib, mut rss_last_kib) = (0, 0);
     let mut rss_per_minute_kib = Vec::new();
     let mut faults = Vec::new();
     // The first and the last minutes are left without faults, so that the
@@ -285,11 +282,7 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
             );
             per_minute.push(rate);
             minute_start = now;
-            rss_last_kib = daemons[0].rss_kib();
-            rss_per_minute_kib.push(rss_last_kib);
-            if per_minute.len() == 1 {
-                rss_first_kib = rss_last_kib;
-            }
+            rss_per_minute_kib.push(daemons[0].rss_kib());
         }
         if let Some((at, _)) = &undo {
             if Instant::now() >= *at {
@@ -432,8 +425,6 @@ pub(super) async fn soak(setup: &Setup<'_>, duration: Duration, every: Duration)
         by_status,
         bound,
         settle_seconds,
-        rss_first_kib,
-        rss_last_kib,
         peak_rss_kib,
         rss_per_minute_kib,
         log_counts,
@@ -486,8 +477,8 @@ pub(super) fn report(r: &ChaosReport) {
         "daemon 1 RSS, first minute → last",
         format!(
             "{:.1} → {:.1} MiB (peak {:.1})",
-            r.rss_first_kib as f64 / 1024.0,
-            r.rss_last_kib as f64 / 1024.0,
+            r.rss_per_minute_kib.first().copied().unwrap_or(0) as f64 / 1024.0,
+            r.rss_per_minute_kib.last().copied().unwrap_or(0) as f64 / 1024.0,
             r.peak_rss_kib as f64 / 1024.0
         ),
     );

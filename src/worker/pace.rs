@@ -2,16 +2,16 @@
 //! when the relay says it is sent too much (a 421, or a 4.7.x reply such as
 //! "451 4.7.1 Rate limit exceeded").
 //!
-//! A throttling reply to RCPT or later slows the recipient domain that drew
-//! it (a refused MAIL comes before any recipient: it only counts towards the
-//! whole relay's throttling): that domain pauses (1 s, 2 s, 4 s, up to 5 s while it keeps throttling), its mails
-//! are deferred meanwhile, and one success to it ends the pause. Only when
-//! throttling replies come one after the other with no success between them
-//! (the whole relay throttles) does the daemon's own pace back off, halving
-//! at most once a second; it then finds the relay's rate again the way TCP
-//! does after a loss: after a calm second it doubles four times a second,
-//! back to the pace it had (or the configured limit), within seconds of the
-//! throttling ending.
+//! A throttling reply to RCPT or later slows the recipient domain that drew it
+//! (a refused MAIL comes before any recipient: it only counts towards the whole
+//! relay's throttling): that domain pauses (1 s, 2 s, 4 s, up to 5 s while it
+//! keeps throttling), its mails are deferred meanwhile, and one success to it
+//! ends the pause. Only when throttling replies come one after the other with
+//! no success between them (the whole relay throttles) does the daemon's own
+//! pace back off, halving at most once a second; it then finds the relay's rate
+//! again the way TCP does after a loss: after a calm second it doubles four
+//! times a second, back to the pace it had (or the configured limit), within
+//! seconds of the throttling ending.
 
 use std::{
     collections::HashMap,
