@@ -664,6 +664,8 @@ pub fn mail(to: &str, subject: &str) -> NewMail {
 pub struct Daemon {
     pub child: Child,
     lines: Arc<Mutex<Vec<String>>>,
+    /// The thread that reads its stdout into `lines` (none when unread).
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Daemon {
@@ -673,13 +675,13 @@ impl Daemon {
 
     /// Starts `tablemail run` in `dir` (where relative paths resolve).
     pub fn start_in(dir: &Path, env: Vec<(String, String)>) -> Daemon {
-        let (daemon, stdout) = Self::spawn(dir, env);
+        let (mut daemon, stdout) = Self::spawn(dir, env);
         let sink = daemon.lines.clone();
-        std::thread::spawn(move || {
+        daemon.reader = Some(std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
                 sink.lock().unwrap().push(line);
             }
-        });
+        }));
         daemon
     }
 
@@ -700,7 +702,14 @@ impl Daemon {
             .unwrap();
         let stdout = child.stdout.take().unwrap();
         let lines = Arc::new(Mutex::new(Vec::new()));
-        (Daemon { child, lines }, stdout)
+        (
+            Daemon {
+                child,
+                lines,
+                reader: None,
+            },
+            stdout,
+        )
     }
 
     /// Everything the daemon printed so far.
@@ -761,6 +770,13 @@ impl Daemon {
         let deadline = tokio::time::Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
+                // Its last lines may still be in the pipe: read to the end
+                // before anyone looks at them.
+                while self.reader.as_ref().is_some_and(|r| !r.is_finished())
+                    && tokio::time::Instant::now() < deadline
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
                 return status.code().unwrap_or(-1);
             }
             assert!(
