@@ -445,6 +445,16 @@ impl BenchDb {
             .unwrap_or_else(|e| panic!("{e}"))
     }
 
+    /// PostgreSQL's write-ahead log position in bytes (the whole
+    /// cluster's: nothing else writes while a drain runs); `None` elsewhere.
+    async fn wal_position(&self) -> Option<i64> {
+        (self.backend == Backend::Postgres).then_some(())?;
+        Some(
+            self.i64("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8")
+                .await,
+        )
+    }
+
     /// Rows not yet finished.
     async fn pending(&self) -> i64 {
         self.i64("SELECT count(*) FROM mail_queue WHERE status IN ('queued', 'sending')")
@@ -866,6 +876,9 @@ struct Drain {
     rate: f64,
     cpu_us_per_mail: f64,
     db_cpu_us_per_mail: f64,
+    /// PostgreSQL's write-ahead log written during the drain (0 elsewhere):
+    /// what the claims and outcomes write, free of the machine's noise.
+    wal_bytes_per_mail: f64,
     peak_rss_mib: f64,
     sink_count: usize,
 }
@@ -926,6 +939,7 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
         db.analyze().await;
     }
     let db_cpu_before = server_cpu(db.backend);
+    let wal_before = db.wal_position().await;
     let mut env = vec![
         ("TABLEMAIL__DATABASE__URL", db.url.clone()),
         (
@@ -939,6 +953,10 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
     let seconds = until_drained(&sink, &db, mails, daemon.started, settle, "the drain").await;
     let (cpu, peak_rss_kib) = daemon.usage();
     let db_cpu = server_cpu(db.backend) - db_cpu_before;
+    let wal_bytes = match (wal_before, db.wal_position().await) {
+        (Some(before), Some(after)) => (after - before) as f64,
+        _ => 0.0,
+    };
     assert_eq!(
         daemon.errors(),
         0,
@@ -961,6 +979,7 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
         rate: mails as f64 / seconds,
         cpu_us_per_mail: cpu * 1e6 / mails as f64,
         db_cpu_us_per_mail: db_cpu * 1e6 / mails as f64,
+        wal_bytes_per_mail: wal_bytes / mails as f64,
         peak_rss_mib: peak_rss_kib as f64 / 1024.0,
         sink_count,
     }
@@ -1260,6 +1279,12 @@ fn report(title: &str, backend: Backend, runs: &[(f64, Drain)]) {
         line(
             format!("  {} CPU per mail (same host)", backend.name()),
             spread(of(&|r| r.1.db_cpu_us_per_mail), " µs", 1),
+        );
+    }
+    if backend == Backend::Postgres {
+        line(
+            "  PostgreSQL WAL per mail",
+            spread(of(&|r| r.1.wal_bytes_per_mail), " B", 0),
         );
     }
     line(

@@ -847,10 +847,10 @@ async fn the_step_renews_its_locks_and_retries_its_commit() {
     assert_eq!(smtp.attempts().len(), 1, "sent once");
 }
 
-/// Makes the next UPDATE of `mail_queue` that leaves a row in `status` hold
-/// its transaction 3 s before it can commit (once): the daemon, whose
-/// deadline is 2 s, stops waiting for an answer while the server goes on
-/// and commits.
+/// Makes the next transaction that leaves a row of `mail_queue` in `status`
+/// hold its commit 3 s (once; a deferred trigger runs at COMMIT): the
+/// daemon, whose deadline is 2 s, stops waiting for an answer while the
+/// server goes on and commits.
 async fn hold_the_next_update_to(db: &TestDb, status: &str) {
     db.exec_script(&format!(
         r#"
@@ -858,7 +858,7 @@ CREATE TABLE hold_armed (armed boolean);
 INSERT INTO hold_armed VALUES (true);
 CREATE FUNCTION hold_the_update() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF EXISTS (SELECT FROM changed WHERE status = '{status}') THEN
+    IF NEW.status = '{status}' THEN
         DELETE FROM hold_armed;
         IF FOUND THEN
             PERFORM pg_sleep(3);
@@ -867,8 +867,8 @@ BEGIN
     RETURN NULL;
 END;
 $$;
-CREATE TRIGGER hold_the_update AFTER UPDATE ON mail_queue
-    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION hold_the_update();
+CREATE CONSTRAINT TRIGGER hold_the_update AFTER UPDATE ON mail_queue
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION hold_the_update();
 "#
     ))
     .await;

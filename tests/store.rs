@@ -632,6 +632,57 @@ async fn postgres_dead_rows_are_vacuumed_by_the_owner_only() {
     );
 }
 
+/// A backlog that arrived in a burst, before any ANALYZE saw it: the planner
+/// believes a few dozen rows are queued and, left to itself, would fetch the
+/// whole burst and sort it on every claim. The claim reads the pending index
+/// in order and stops at its batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_burst_the_statistics_have_not_seen_is_claimed_from_the_head_of_the_index() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    db.exec(
+        "INSERT INTO mail_queue (to_address, subject, body) \
+         SELECT 'u' || g || '@example.com', 'Burst ' || g, repeat(repeat('x', 70) || E'\\r\\n', 29) \
+         FROM generate_series(1, 20000) AS g",
+    )
+    .await;
+    let plan = db
+        .strings(
+            "EXPLAIN SELECT id FROM mail_queue WHERE status = 'queued' AND send_at <= now() \
+             ORDER BY priority DESC, send_at, id LIMIT 100 FOR UPDATE SKIP LOCKED",
+        )
+        .await
+        .join("\n");
+    assert!(
+        plan.contains("Sort"),
+        "precondition: without fresh statistics the planner would sort the burst:\n{plan}"
+    );
+
+    let mails = claimed(&db, 100).await;
+    assert_eq!(
+        mails.iter().map(|m| m.id).collect::<Vec<_>>(),
+        (1..=100).collect::<Vec<i64>>(),
+        "the head of the queue"
+    );
+    let read = || {
+        db.scalar_i64(
+            "SELECT idx_tup_read FROM pg_stat_user_indexes WHERE indexrelname = 'mail_queue_claim_idx'",
+        )
+    };
+    eventually(
+        "the statistics to count the claim's index reads",
+        Duration::from_secs(20),
+        || async { read().await > 0 },
+    )
+    .await;
+    let entries = read().await;
+    assert!(
+        entries <= 1_000,
+        "the claim read {entries} entries of the pending index for 100 rows of 20,000"
+    );
+}
+
 /// A claim brings the columns of a small row; a large one comes with its
 /// sizes only, and its columns are loaded by the lock that holds it.
 async fn large_rows_are_claimed_without_their_content(db: TestDb) {

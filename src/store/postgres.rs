@@ -72,10 +72,21 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
     })
 }
 
-// `tablemail_due` (migration 0003) picks the rows in index order whatever the
-// statistics say, with the size of each row's text; the rows are then
-// updated through the primary key. The text columns come along only for rows
-// within the inline limit ($6).
+// The claim walks the pending index in claim order and stops after $1 rows,
+// whatever the planner believes about the table: it runs in a transaction
+// that begins with sorting disabled ([`CLAIM_BEGIN`]), so the ordered index
+// scan is the one plan left. Without that, a backlog that arrived in a burst
+// (before autoanalyze saw it: a few dozen queued rows by the statistics)
+// would be fetched whole and sorted on every claim. Each picked row's text
+// sizes are read once, while the row is at hand; the rows are then updated
+// through the primary key. The text columns come along only for rows within
+// the inline limit ($6).
+//
+// (Migration 0003's `tablemail_due()` did the same inside a SQL function
+// with `SET enable_sort = off`: planned anew in every claim and run through
+// a tuplestore, it cost about 0.4 ms of a 2.6 ms claim of 100 rows here. It
+// stays in the schema for daemons of earlier versions during a rolling
+// upgrade.)
 //
 // A Message-ID is given at the first claim and derived from the row alone
 // (a 64-bit hash of its id and its created_at, then the id and the domain;
@@ -93,6 +104,20 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // probes were a tenth of the claim's cost.
 const CLAIM: &str = concat!(
     r#"
+WITH d AS MATERIALIZED (
+    SELECT id,
+           (COALESCE(octet_length(body), 0) + COALESCE(octet_length(body_html), 0)
+            + COALESCE(octet_length(from_name), 0) + COALESCE(octet_length(from_address), 0)
+            + octet_length(to_address) + COALESCE(octet_length(cc), 0)
+            + COALESCE(octet_length(bcc), 0) + COALESCE(octet_length(reply_to), 0)
+            + octet_length(subject) + COALESCE(pg_column_size(headers), 0))::int8
+               AS content_bytes
+    FROM mail_queue
+    WHERE status = 'queued' AND send_at <= now()
+    ORDER BY priority DESC, send_at, id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
 UPDATE mail_queue AS m
 SET status = 'sending',
     thread_lock = $2::uuid,
@@ -103,7 +128,7 @@ SET status = 'sending',
         '<' || lpad(to_hex(hashint8extended(m.id, interval_hash_extended(
                                 m.created_at - timestamptz 'epoch', 0))), 16, '0')
             || '.' || m.id || '@' || $4::text || '>')
-FROM tablemail_due($1::int) AS d
+FROM d
 CROSS JOIN LATERAL (
     SELECT count(*) AS attachment_count,
            COALESCE(sum(octet_length(x.content)), 0)::int8 AS attachment_bytes
@@ -121,6 +146,10 @@ RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count
     "#,
     inline_columns!("d.content_bytes <= $6", "m.", "m.headers::text"),
 );
+
+/// How the claim's transaction begins: one round trip, and sorting off for
+/// the claim alone (see [`CLAIM`]).
+const CLAIM_BEGIN: &str = "BEGIN; SET LOCAL enable_sort = off";
 
 /// The group commit's UPDATE. The outcomes come sorted by id: rows are
 /// locked in the same order as lock renewal locks them. The small columns
@@ -364,7 +393,9 @@ impl Dialect for Postgres {
 
     async fn claim(c: &mut PgConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {
         let lock = b.lock;
-        let rows = b.bind(sqlx::query(CLAIM)).fetch_all(c).await?;
+        let mut tx = sqlx::Connection::begin_with(c, CLAIM_BEGIN).await?;
+        let rows = b.bind(sqlx::query(CLAIM)).fetch_all(&mut *tx).await?;
+        tx.commit().await?;
         rows::claimed(&rows, lock)
     }
 
