@@ -31,17 +31,6 @@ async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
         // the shutdown however slowly a loaded machine hands them over. A
         // resend (same Message-ID) is answered at once.
         let smtp = SmtpServer::start(&["--slow", "300"]);
-        let mails: Vec<NewMail> = (0..3)
-            .map(|i| mail(&format!("slowonce-{ambiguous}{i}@example.com"), "late"))
-            .collect();
-        let ids: Vec<i64> = db
-            .store
-            .enqueue(&mails)
-            .await
-            .unwrap()
-            .iter()
-            .map(|e| e.id)
-            .collect();
         let env = daemon_env(
             &db,
             &smtp.url(),
@@ -59,12 +48,25 @@ async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
             ],
         );
         let mut daemon = Daemon::start(env.clone());
-        eventually(
-            "three mails past the dot",
-            Duration::from_secs(30),
-            || async { smtp.attempts().len() == 3 },
-        )
-        .await;
+        // One mail at a time, each once the one before is past the dot: a
+        // lane takes the mail queued behind its own as the next it sends
+        // (its envelope rides along), so three mails queued at once could
+        // end up two on one lane, the second waiting for the held reply.
+        let mut ids = Vec::new();
+        for i in 0..3 {
+            let late = mail(&format!("slowonce-{ambiguous}{i}@example.com"), "late");
+            ids.push(db.enqueue(late).await);
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while smtp.attempts().len() <= i {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{ambiguous}: mail {} not past the dot after 30 s\n{}",
+                    i + 1,
+                    daemon.output()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
         assert!(
             daemon.logged("mail sent").is_empty(),
             "{ambiguous}: the relay answered before the shutdown\n{}",

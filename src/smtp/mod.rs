@@ -287,7 +287,7 @@ impl Transport {
                 delivered.relay = role;
                 Ok(delivered)
             }
-            Kind::File(file) => file.send(mail).await,
+            Kind::File(file) => Box::pin(file.send(mail)).await,
         }
     }
 

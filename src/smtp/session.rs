@@ -116,7 +116,10 @@ impl SmtpRelay {
             session.data_mark = None;
             let reused = session.conn.is_some();
             if !reused {
-                session.conn = Some(self.connect(&mut session.stage).await?);
+                // Boxed: connecting (TCP, TLS, EHLO, AUTH) is a large
+                // future and a rare one; inline, its state would be moved
+                // along with every mail's send.
+                session.conn = Some(Box::pin(self.connect(&mut session.stage)).await?);
                 sent_ahead = false;
             } else if !sent_ahead
                 && session
@@ -124,7 +127,7 @@ impl SmtpRelay {
                     .is_some_and(|t| t.elapsed() >= IDLE_CHECK_AFTER)
             {
                 let conn = session.conn.as_mut().expect("reused");
-                if timed(self.limits.command, conn.conn.command(Noop))
+                if Box::pin(timed(self.limits.command, conn.conn.command(Noop)))
                     .await
                     .is_err()
                 {
@@ -160,16 +163,18 @@ impl SmtpRelay {
                     let keep = in_step
                         && match session.conn.as_mut() {
                             Some(_) if error.stage == Stage::AfterDot => true,
-                            Some(conn) => timed(self.limits.command, conn.conn.command(Rset))
-                                .await
-                                .is_ok(),
+                            Some(conn) => {
+                                Box::pin(timed(self.limits.command, conn.conn.command(Rset)))
+                                    .await
+                                    .is_ok()
+                            }
                             None => false,
                         };
                     if keep {
                         session.pending = f.pending;
                     } else if let Some(conn) = session.conn.take() {
                         if in_step {
-                            self.hang_up(conn.conn).await;
+                            Box::pin(self.hang_up(conn.conn)).await;
                         }
                         // Otherwise the connection is out of step: just close it.
                     }
