@@ -448,7 +448,9 @@ impl BenchDb {
     /// PostgreSQL's write-ahead log position in bytes (the whole
     /// cluster's: nothing else writes while a drain runs); `None` elsewhere.
     async fn wal_position(&self) -> Option<i64> {
-        (self.backend == Backend::Postgres).then_some(())?;
+        if self.backend != Backend::Postgres {
+            return None;
+        }
         Some(
             self.i64("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::int8")
                 .await,

@@ -56,16 +56,12 @@ async fn sigterm_while_the_reply_to_the_dot_is_late(db: TestDb) {
         for i in 0..3 {
             let late = mail(&format!("slowonce-{ambiguous}{i}@example.com"), "late");
             ids.push(db.enqueue(late).await);
-            let deadline = std::time::Instant::now() + Duration::from_secs(30);
-            while smtp.attempts().len() <= i {
-                assert!(
-                    std::time::Instant::now() < deadline,
-                    "{ambiguous}: mail {} not past the dot after 30 s\n{}",
-                    i + 1,
-                    daemon.output()
-                );
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            eventually(
+                &format!("{ambiguous}: mail {} past the dot", i + 1),
+                Duration::from_secs(30),
+                || async { smtp.attempts().len() > i },
+            )
+            .await;
         }
         assert!(
             daemon.logged("mail sent").is_empty(),

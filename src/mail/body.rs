@@ -175,10 +175,7 @@ struct Scan {
 
 impl Scan {
     fn of(bytes: &[u8]) -> Scan {
-        let mut scan = Scan {
-            boundary_like: bytes.starts_with(b"--=_"),
-            ..Scan::default()
-        };
+        let mut scan = Scan::starting(bytes);
         let n = bytes.len();
         let mut line_start = 0;
         let mut i = 0;
@@ -187,8 +184,7 @@ impl Scan {
             // of a window come from a fixed loop that compiles to vector
             // compares. Only windows with a line break (and the last few
             // octets) go octet by octet.
-            if let Some(window) = bytes.get(i..i + 16) {
-                let window: &[u8; 16] = window.try_into().expect("16 octets");
+            if let Some(window) = window(bytes, i) {
                 if count(window, |b| b == b'\r' || b == b'\n') == 0 {
                     scan.equals += count(window, |b| b == b'=');
                     scan.non_ascii += count(window, |b| b >= 0x80);
@@ -202,29 +198,48 @@ impl Scan {
             // than a pass octet by octet.
             let end = (i + 16).min(n);
             while i < end {
-                match bytes[i] {
-                    b'\r' | b'\n' => {
-                        scan.longest_line = scan.longest_line.max(i - line_start);
-                        scan.breaks += 1;
-                        if bytes[i] == b'\r' && bytes.get(i + 1) == Some(&b'\n') {
-                            i += 1;
-                        } else {
-                            scan.rewritten += 1;
-                        }
-                        line_start = i + 1;
-                        scan.boundary_like |= bytes[line_start..].starts_with(b"--=_");
-                    }
-                    b'=' => scan.equals += 1,
-                    b'\t' | 0x20..=0x7e => {}
-                    0x80.. => scan.non_ascii += 1,
-                    _ => scan.controls += 1,
-                }
-                i += 1;
+                i = scan.octet(bytes, i, &mut line_start);
             }
         }
-        scan.longest_line = scan.longest_line.max(n - line_start);
-        scan.normalized = n + scan.rewritten;
-        scan
+        scan.finish(n, line_start)
+    }
+
+    /// Before the first octet of `bytes`.
+    fn starting(bytes: &[u8]) -> Scan {
+        Scan {
+            boundary_like: bytes.starts_with(b"--=_"),
+            ..Scan::default()
+        }
+    }
+
+    /// Counts the octet at `i` (a CRLF as one line ending); returns where
+    /// the next one is.
+    fn octet(&mut self, bytes: &[u8], mut i: usize, line_start: &mut usize) -> usize {
+        match bytes[i] {
+            b'\r' | b'\n' => {
+                self.longest_line = self.longest_line.max(i - *line_start);
+                self.breaks += 1;
+                if bytes[i] == b'\r' && bytes.get(i + 1) == Some(&b'\n') {
+                    i += 1;
+                } else {
+                    self.rewritten += 1;
+                }
+                *line_start = i + 1;
+                self.boundary_like |= bytes[*line_start..].starts_with(b"--=_");
+            }
+            b'=' => self.equals += 1,
+            b'\t' | 0x20..=0x7e => {}
+            0x80.. => self.non_ascii += 1,
+            _ => self.controls += 1,
+        }
+        i + 1
+    }
+
+    /// After the last of `n` octets, the last line starting at `line_start`.
+    fn finish(mut self, n: usize, line_start: usize) -> Scan {
+        self.longest_line = self.longest_line.max(n - line_start);
+        self.normalized = n + self.rewritten;
+        self
     }
 
     /// At least the length of [`quoted_printable`]'s output for a text of
@@ -248,19 +263,19 @@ fn count(window: &[u8; 16], is: impl Fn(u8) -> bool) -> usize {
     usize::from(window.iter().fold(0u8, |n, &b| n + u8::from(is(b))))
 }
 
+/// The 16 octets at `i`, if there are that many left: a fixed size, so that
+/// the folds over it compile to a few vector instructions.
+fn window(bytes: &[u8], i: usize) -> Option<&[u8; 16]> {
+    bytes.get(i..i + 16)?.try_into().ok()
+}
+
 /// Whether the 16 octets at `i` are all printable ASCII but `=` (false when
-/// fewer than 16 are left). Branch-free over a fixed 16, so that it compiles
-/// to a few vector instructions.
+/// fewer than 16 are left).
 fn all_plain(bytes: &[u8], i: usize) -> bool {
-    match bytes.get(i..i + 16) {
-        Some(chunk) => {
-            let chunk: &[u8; 16] = chunk.try_into().expect("16 octets");
-            chunk
-                .iter()
-                .fold(true, |all, &b| all & printable(b) & (b != b'='))
-        }
-        None => false,
-    }
+    window(bytes, i).is_some_and(|w| {
+        w.iter()
+            .fold(true, |all, &b| all & printable(b) & (b != b'='))
+    })
 }
 
 /// The lines of `bytes` and whether each ended with a line break (CRLF, a
@@ -615,34 +630,12 @@ mod tests {
 
     /// The scan as the obvious loop over every octet.
     fn octet_by_octet(bytes: &[u8]) -> Scan {
-        let mut scan = Scan {
-            boundary_like: bytes.starts_with(b"--=_"),
-            ..Scan::default()
-        };
+        let mut scan = Scan::starting(bytes);
         let (mut line_start, mut i) = (0, 0);
         while i < bytes.len() {
-            match bytes[i] {
-                b'\r' | b'\n' => {
-                    scan.longest_line = scan.longest_line.max(i - line_start);
-                    scan.breaks += 1;
-                    if bytes[i] == b'\r' && bytes.get(i + 1) == Some(&b'\n') {
-                        i += 1;
-                    } else {
-                        scan.rewritten += 1;
-                    }
-                    line_start = i + 1;
-                    scan.boundary_like |= bytes[line_start..].starts_with(b"--=_");
-                }
-                b'=' => scan.equals += 1,
-                b'\t' | 0x20..=0x7e => {}
-                0x80.. => scan.non_ascii += 1,
-                _ => scan.controls += 1,
-            }
-            i += 1;
+            i = scan.octet(bytes, i, &mut line_start);
         }
-        scan.longest_line = scan.longest_line.max(bytes.len() - line_start);
-        scan.normalized = bytes.len() + scan.rewritten;
-        scan
+        scan.finish(bytes.len(), line_start)
     }
 
     proptest::proptest! {
