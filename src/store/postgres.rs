@@ -98,10 +98,13 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // no part); md5 was 2–5 µs per row here, a twentieth of a mail's database
 // time.
 //
-// Attachments: one probe per row for their count and octets, and none for a
-// row newer than the newest mail with attachments (looked up once per claim,
-// at the end of the attachment index): most queues carry none, and the
-// probes were a tenth of the claim's cost.
+// Attachments: their count and octets are probed per row, and not at all
+// for a row newer than the newest mail with attachments (looked up once per
+// claim, at the end of the attachment index): most queues carry none, and
+// the probes were a tenth of the claim's cost. The probes are subqueries of
+// the RETURNING list, run only when that test passes; as a LATERAL join
+// (an aggregate begun for every row, and one more join to plan) the claim
+// cost the server 7% more (pgbench, 400 claims of 100 rows, four rounds).
 const CLAIM: &str = concat!(
     r#"
 WITH d AS MATERIALIZED (
@@ -129,19 +132,19 @@ SET status = 'sending',
                                 m.created_at - timestamptz 'epoch', 0))), 16, '0')
             || '.' || m.id || '@' || $4::text || '>')
 FROM d
-CROSS JOIN LATERAL (
-    SELECT count(*) AS attachment_count,
-           COALESCE(sum(octet_length(x.content)), 0)::int8 AS attachment_bytes
-    FROM mail_attachment AS x
-    WHERE x.mail_id = d.id AND d.id <= (SELECT max(y.mail_id) FROM mail_attachment AS y)
-) AS a
 WHERE m.id = d.id
 RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count, m.message_id,
     GREATEST(m.created_at, m.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
     d.content_bytes,
     (COALESCE(octet_length(m.body), 0) + COALESCE(octet_length(m.body_html), 0))::int8
         AS body_bytes,
-    a.attachment_count, a.attachment_bytes,
+    CASE WHEN m.id <= (SELECT max(y.mail_id) FROM mail_attachment AS y)
+         THEN (SELECT count(*) FROM mail_attachment AS x WHERE x.mail_id = m.id)
+         ELSE 0 END AS attachment_count,
+    CASE WHEN m.id <= (SELECT max(y.mail_id) FROM mail_attachment AS y)
+         THEN (SELECT COALESCE(sum(octet_length(x.content)), 0)::int8
+               FROM mail_attachment AS x WHERE x.mail_id = m.id)
+         ELSE 0 END AS attachment_bytes,
     d.content_bytes <= $6 AS inline,
     "#,
     inline_columns!("d.content_bytes <= $6", "m.", "m.headers::text"),
