@@ -20,20 +20,29 @@ pub(super) fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 
 /// The span of one mail's unit of work, from its build to its outcome:
 /// `mail_id`, `lock` and `attempt` are recorded once and every line inside
-/// carries them; the outcome's own fields are recorded on it when it is
-/// written. At error level so that no `log.level` filters the span out while
-/// keeping its lines.
+/// carries them. At error level so that no `log.level` filters the span out
+/// while keeping its lines.
 pub(super) fn mail_span(mail: &QueuedMail) -> tracing::Span {
     tracing::error_span!(
         "mail",
         mail_id = mail.id,
         lock = %mail.lock,
         attempt = mail.attempts,
-        outcome = tracing::field::Empty,
-        smtp_code = tracing::field::Empty,
-        elapsed_ms = tracing::field::Empty,
-        domain = tracing::field::Empty,
     )
+}
+
+/// One outcome line at `$level`, inside the mail's span: the outcome's
+/// fields (those the mail has), then the line's own.
+macro_rules! outcome_line {
+    ($level:ident, $d:expr, $($fields:tt)*) => {
+        tracing::$level!(
+            outcome = $d.decision.logged.as_str(),
+            smtp_code = $d.smtp_code,
+            elapsed_ms = $d.send_time.map(|t| t.as_millis() as u64),
+            domain = (!$d.domains.is_empty()).then_some($d.domains.as_str()),
+            $($fields)*
+        )
+    };
 }
 
 pub(super) fn log_outcome(d: &Done, written: bool) {
@@ -42,34 +51,24 @@ pub(super) fn log_outcome(d: &Done, written: bool) {
         tracing::warn!("mail lock lost: outcome not written");
         return;
     }
-    d.span.record("outcome", d.decision.logged.as_str());
-    if let Some(code) = d.smtp_code {
-        d.span.record("smtp_code", code);
-    }
-    if let Some(t) = d.send_time {
-        d.span.record("elapsed_ms", t.as_millis() as u64);
-    }
-    if !d.domains.is_empty() {
-        d.span.record("domain", d.domains.as_str());
-    }
     let retry_in_ms = |delay: &Duration| delay.as_millis() as u64;
     match &d.decision.action {
         FinalAction::Sent => {
             let reply = d.reply.as_deref().map(redact_addresses);
-            tracing::info!(relay = d.relay, reply, "mail sent")
+            outcome_line!(info, d, relay = d.relay, reply, "mail sent")
         }
-        FinalAction::Retry { delay, error, .. } => tracing::warn!(
-            retry_in_ms = retry_in_ms(delay), error = %redact_addresses(error), "mail retry scheduled"
+        FinalAction::Retry { delay, error, .. } => outcome_line!(
+            warn, d, retry_in_ms = retry_in_ms(delay), error = %redact_addresses(error), "mail retry scheduled"
         ),
-        FinalAction::Defer { delay, error, .. } => tracing::warn!(
-            retry_in_ms = retry_in_ms(delay), error = %redact_addresses(error), "mail deferred"
+        FinalAction::Defer { delay, error, .. } => outcome_line!(
+            warn, d, retry_in_ms = retry_in_ms(delay), error = %redact_addresses(error), "mail deferred"
         ),
         FinalAction::Failed { error, .. } => {
-            tracing::warn!(error = %redact_addresses(error), "mail failed")
+            outcome_line!(warn, d, error = %redact_addresses(error), "mail failed")
         }
         FinalAction::Unknown { error } => {
-            tracing::warn!(error = %redact_addresses(error), "mail held as unknown")
+            outcome_line!(warn, d, error = %redact_addresses(error), "mail held as unknown")
         }
-        FinalAction::Release => tracing::info!("mail released"),
+        FinalAction::Release => outcome_line!(info, d, "mail released"),
     }
 }
