@@ -94,8 +94,8 @@ where
 {
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         let Some(span) = ctx.span(id) else { return };
-        // Room for a mail's span with its outcome recorded: no regrowth.
-        let mut fields = String::with_capacity(256);
+        // Room for a mail's span (id, lock, attempt) and more: no regrowth.
+        let mut fields = String::with_capacity(128);
         attrs.record(&mut JsonFields { out: &mut fields });
         span.extensions_mut().insert(SpanFields(fields));
     }
