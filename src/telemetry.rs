@@ -542,28 +542,17 @@ mod tests {
         for b in 0..=255u8 {
             let escape = b < 0x20 || b == b'"' || b == b'\\';
             for at in 0..8 {
-                let mut word = [b'a'; 8];
-                word[at] = b;
-                assert_eq!(
-                    super::needs_escape(u64::from_le_bytes(word)),
-                    escape,
-                    "{b:#x} at {at}"
-                );
-                // Neighbours at the extremes do not change the answer.
-                let mut word = [0xff; 8];
-                word[at] = b;
-                assert_eq!(
-                    super::needs_escape(u64::from_le_bytes(word)),
-                    escape,
-                    "{b:#x} among 0xff"
-                );
-                let mut word = [0x20; 8];
-                word[at] = b;
-                assert_eq!(
-                    super::needs_escape(u64::from_le_bytes(word)),
-                    escape,
-                    "{b:#x} among spaces"
-                );
+                // Neighbours at the extremes of the octets that need no
+                // escape do not change the answer.
+                for fill in [b'a', b' ', 0xff] {
+                    let mut word = [fill; 8];
+                    word[at] = b;
+                    assert_eq!(
+                        super::needs_escape(u64::from_le_bytes(word)),
+                        escape,
+                        "{b:#x} at {at} among {fill:#x}"
+                    );
+                }
             }
         }
     }
