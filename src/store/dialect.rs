@@ -6,7 +6,7 @@
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use sqlx::Database;
+use sqlx::{Database, Pool};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -34,6 +34,12 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
         c: &mut Conn<Self>,
         binds: ClaimBinds,
     ) -> impl Future<Output = Result<Vec<QueuedMail>, sqlx::Error>> + Send;
+
+    /// Where [`Dialect::claim`] runs: the shared pool, unless the database
+    /// keeps connections of its own for claims.
+    fn claim_pool<'a>(&'a self, shared: &'a Shared<Self::DB>) -> &'a Pool<Self::DB> {
+        &shared.pool
+    }
 
     /// `writes` is never empty.
     fn finalize(

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     dialect::{Dialect, SqlStore},
     rows::{bind_all, list_conditions, lookup_condition, Bind, RowsAffected, SummaryRow},
+    shared::within,
     Attachment, Backend, BatchLock, Claim, DaemonBeat, DaemonRow, Enqueued, EventOutcome,
     FailureGroup, Finalize, Finished, MailContent, MailFilter, MailLookup, MailRecord, MailSummary,
     Maintenance, MinuteCount, NewMail, QueueStats, QueuedMail, Result, RetrySelection, StaleRow,
@@ -49,7 +50,11 @@ where
 
     async fn claim_batch(&self, claim: &Claim<'_>) -> Result<Vec<QueuedMail>> {
         let binds = claim.binds(D::UNIT);
-        self.shared.run(move |c| Box::pin(D::claim(c, binds))).await
+        let pool = self.dialect.claim_pool(&self.shared);
+        within(pool, self.shared.deadline, move |c| {
+            Box::pin(D::claim(c, binds))
+        })
+        .await
     }
 
     async fn finalize(&self, writes: &[Finalize]) -> Result<Vec<i64>> {
