@@ -92,9 +92,10 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // queued rows by the statistics) would be fetched whole and sorted on every
 // claim. The claim is then one statement, one round trip: as a transaction
 // that set `enable_sort` locally (three round trips: `BEGIN; SET LOCAL`,
-// the claim, `COMMIT`) the benchmark's drain of real mail ran 7% slower and
-// cost the server 7% more CPU per mail. The other connections keep the
-// planner's defaults. Each picked row's text
+// the claim, `COMMIT`) it cost the server 2–7% more CPU per mail in the
+// benchmark's drains of real mail (two sets of drains, alternating; the
+// throughput was 7% lower in one set, the same in the other). The other
+// connections keep the planner's defaults. Each picked row's text
 // sizes are read once, while the row is at hand; the rows are then updated
 // through the primary key. The text columns come along only for rows within
 // the inline limit ($6).
