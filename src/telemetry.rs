@@ -50,18 +50,20 @@ pub fn init(settings: &LogSettings) -> LogGuard {
         );
     let (writer, guard) = LogWriter::start();
     // An error means a subscriber is installed already: keep it.
-    let _ = match settings.format {
-        LogFormat::Json => tracing_subscriber::registry()
-            .with(filter)
-            .with(FlatJson::new(writer))
-            .try_init()
-            .is_ok(),
-        LogFormat::Pretty => fmt::fmt()
-            .with_env_filter(filter)
-            .with_writer(writer)
-            .try_init()
-            .is_ok(),
-    };
+    match settings.format {
+        LogFormat::Json => {
+            let _ = tracing_subscriber::registry()
+                .with(filter)
+                .with(FlatJson::new(writer))
+                .try_init();
+        }
+        LogFormat::Pretty => {
+            let _ = fmt::fmt()
+                .with_env_filter(filter)
+                .with_writer(writer)
+                .try_init();
+        }
+    }
     guard
 }
 

@@ -257,29 +257,32 @@ impl Classes {
         };
         // One counter per octet lane, in octets: blocks of a fixed size
         // compile to vector compares and adds. A lane counts at most 255
-        // blocks before it is added up.
+        // blocks before it is added up; the last few octets go as a block
+        // of their own, filled up with a letter (which counts as nothing).
         for run in bytes.chunks(BLOCK * 255) {
-            let (mut non_ascii, mut equals, mut controls) =
-                ([0u8; BLOCK], [0u8; BLOCK], [0u8; BLOCK]);
-            let mut blocks = run.chunks_exact(BLOCK);
-            for block in &mut blocks {
-                let block: &[u8; BLOCK] = block.try_into().expect("a whole block");
+            let mut lanes = [[0u8; BLOCK]; 3];
+            let mut add = |block: &[u8; BLOCK]| {
                 for k in 0..BLOCK {
                     let b = block[k];
-                    non_ascii[k] += u8::from(b >= 0x80);
-                    equals[k] += u8::from(b == b'=');
-                    controls[k] += u8::from((b < 0x20 && b != b'\t') || b == 0x7f);
+                    lanes[0][k] += u8::from(b >= 0x80);
+                    lanes[1][k] += u8::from(b == b'=');
+                    lanes[2][k] += u8::from((b < 0x20 && b != b'\t') || b == 0x7f);
                 }
+            };
+            let mut blocks = run.chunks_exact(BLOCK);
+            for block in &mut blocks {
+                add(block.try_into().expect("a whole block"));
             }
-            let sum = |lanes: [u8; BLOCK]| lanes.iter().map(|&n| usize::from(n)).sum::<usize>();
-            c.non_ascii += sum(non_ascii);
-            c.equals += sum(equals);
-            c.controls += sum(controls);
-            for &b in blocks.remainder() {
-                c.non_ascii += usize::from(b >= 0x80);
-                c.equals += usize::from(b == b'=');
-                c.controls += usize::from((b < 0x20 && b != b'\t') || b == 0x7f);
+            let rest = blocks.remainder();
+            if !rest.is_empty() {
+                let mut last = [b'a'; BLOCK];
+                last[..rest.len()].copy_from_slice(rest);
+                add(&last);
             }
+            let sum = |lanes: &[u8; BLOCK]| lanes.iter().map(|&n| usize::from(n)).sum::<usize>();
+            c.non_ascii += sum(&lanes[0]);
+            c.equals += sum(&lanes[1]);
+            c.controls += sum(&lanes[2]);
         }
         c
     }
