@@ -683,6 +683,75 @@ async fn postgres_a_burst_the_statistics_have_not_seen_is_claimed_from_the_head_
     );
 }
 
+/// The claim is planned once per connection and the plan kept: one made
+/// while the table held a single analyzed row must still read the head of
+/// the pending index and fetch the picked rows through the primary key once
+/// a burst has grown the table, not scan it whole (for each picked row, as a
+/// join planned on a table of one row would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_claim_planned_on_a_tiny_table_stays_on_the_indexes_after_a_burst() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let first = db.enqueue(mail("first@example.com", "first")).await;
+    db.exec("ANALYZE mail_queue").await;
+    let batch = claimed(&db, 100).await;
+    assert_eq!(batch.iter().map(|m| m.id).collect::<Vec<_>>(), [first]);
+    db.exec(
+        "INSERT INTO mail_queue (to_address, subject, body) \
+         SELECT 'u' || g || '@example.com', 'Burst ' || g, 'Hello' \
+         FROM generate_series(1, 20000) AS g",
+    )
+    .await;
+    let counters = || async {
+        let n = |sql: &'static str| db.scalar_i64(sql);
+        (
+            n("SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'mail_queue'").await,
+            n("SELECT idx_tup_read FROM pg_stat_user_indexes \
+               WHERE indexrelname = 'mail_queue_claim_idx'")
+            .await,
+            n("SELECT idx_tup_read FROM pg_stat_user_indexes \
+               WHERE indexrelname = 'mail_queue_pkey'")
+            .await,
+        )
+    };
+    // Every earlier statement's counts are in before the claim is counted.
+    eventually(
+        "the statistics to count the first claim",
+        Duration::from_secs(20),
+        || async { counters().await.1 > 0 },
+    )
+    .await;
+    let (seq_before, claim_before, pkey_before) = counters().await;
+
+    let mails = claimed(&db, 100).await;
+    let mut ids: Vec<i64> = mails.iter().map(|m| m.id).collect();
+    ids.sort_unstable();
+    assert_eq!(
+        ids,
+        (first + 1..=first + 100).collect::<Vec<i64>>(),
+        "the head of the burst"
+    );
+    eventually(
+        "the statistics to count the second claim",
+        Duration::from_secs(20),
+        || async { counters().await.1 > claim_before },
+    )
+    .await;
+    let (seq, claim_reads, pkey_reads) = counters().await;
+    assert_eq!(seq, seq_before, "the claim scanned the table whole");
+    assert!(
+        claim_reads - claim_before <= 1_000,
+        "the claim read {} entries of the pending index for 100 rows of 20,000",
+        claim_reads - claim_before
+    );
+    assert!(
+        pkey_reads - pkey_before <= 1_000,
+        "the claim read {} entries of the primary key for 100 rows of 20,000",
+        pkey_reads - pkey_before
+    );
+}
+
 /// A claim brings the columns of a small row; a large one comes with its
 /// sizes only, and its columns are loaded by the lock that holds it.
 async fn large_rows_are_claimed_without_their_content(db: TestDb) {

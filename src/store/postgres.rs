@@ -33,7 +33,8 @@ const CHANNEL: &str = "tablemail";
 /// listener's connection, and the connection claims run on.
 pub(crate) struct Postgres {
     options: PgConnectOptions,
-    /// One connection whose session plans without sorting (see [`CLAIM`]),
+    /// One connection whose session plans once and without sorting or
+    /// scanning a table whole (see [`CLAIM`]),
     /// taken from `database.max_connections`.
     claims: PgPool,
 }
@@ -47,10 +48,12 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
     let connect = connect
         .application_name("tablemail")
         // Our statements work on batches whose size is a parameter
-        // (LIMIT $1, arrays of outcomes). A generic plan guesses that size
-        // and turned the claim into a hash join over a sequential scan of
-        // the whole table; a plan made for the real values costs a
-        // fraction of a millisecond per batch and stays on the indexes.
+        // (arrays of outcomes). A generic plan guesses that size and can
+        // join a batch to the table by a sequential scan of the whole
+        // table; a plan made for the real values costs a fraction of a
+        // millisecond per batch and stays on the indexes.
+        // (The claim is planned once, on a connection of its own: see
+        // [`CLAIM`].)
         .options([("plan_cache_mode", "force_custom_plan")])
         // sqlx cannot set keepalive on its own socket; the server's side
         // of each connection can: a tablemail that vanished (a lost NAT
@@ -74,7 +77,11 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
     let claims = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(options.statement_timeout)
-        .connect_lazy_with(connect.clone().options([("enable_sort", "off")]));
+        .connect_lazy_with(connect.clone().options([
+            ("plan_cache_mode", "force_generic_plan"),
+            ("enable_sort", "off"),
+            ("enable_seqscan", "off"),
+        ]));
     Ok(SqlStore {
         shared: Shared::new::<Postgres>(pool, options.statement_timeout, POSTGRES, "BEGIN"),
         dialect: Postgres {
@@ -85,19 +92,25 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 }
 
 // The claim walks the pending index in claim order and stops after $1 rows,
-// whatever the planner believes about the table: it runs on a connection of
-// its own whose session has sorting disabled (`enable_sort = off`, a startup
-// parameter), so the ordered index scan is the one plan left. Without that,
-// a backlog that arrived in a burst (before autoanalyze saw it: a few dozen
+// whatever the planner believes about the table, and it is planned once per
+// connection. It runs on a connection of its own whose session (startup
+// parameters) keeps one plan per statement (`plan_cache_mode =
+// force_generic_plan`) and cannot sort or scan a table whole (`enable_sort`,
+// `enable_seqscan` off). The statement is shaped so that the plan left is the
+// one wanted for any table, a plan made while the table was empty or never
+// analyzed included: the pending index read in order up to the batch, the
+// rows it picked locked and then updated through the primary key (`id =
+// ANY`, not a join: a join planned on a table of a few rows would scan the
+// whole table for each picked row once it had grown). Without this, a
+// backlog that arrived in a burst (before autoanalyze saw it: a few dozen
 // queued rows by the statistics) would be fetched whole and sorted on every
-// claim. The claim is then one statement, one round trip: as a transaction
-// that set `enable_sort` locally (three round trips: `BEGIN; SET LOCAL`,
-// the claim, `COMMIT`) it cost the server 2–7% more CPU per mail in the
-// benchmark's drains of real mail (two sets of drains, alternating; the
-// throughput was 7% lower in one set, the same in the other). The other
-// connections keep the planner's defaults. Each picked row's text
-// sizes are read once, while the row is at hand; the rows are then updated
-// through the primary key. The text columns come along only for rows within
+// claim; a plan made anew for each claim cost the server about 0.25 ms of
+// planning per claim of 100 rows here, a tenth of its time per claim. The
+// claim is one statement, one round trip: as a transaction that set
+// `enable_sort` locally (three round trips) it cost the server 2–7% more CPU
+// per mail in the benchmark's drains of real mail. The other connections
+// keep the planner's defaults. Each row's text sizes are read once, by the
+// update that claims it; the text columns come along only for rows within
 // the inline limit ($6).
 //
 // (Migration 0003's `tablemail_due()` did the same inside a SQL function
@@ -118,58 +131,60 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 //
 // Attachments: their count and octets are probed per row, and not at all
 // for a row newer than the newest mail with attachments (looked up once per
-// claim, at the end of the attachment index, while the row is picked): most
-// queues carry none, and the probes were a tenth of the claim's cost. The
-// probes are subqueries of the RETURNING list, run only when that test
-// passes (a row with attachments is probed twice, for the count and for
-// the octets: rare, and cheaper than an aggregate for every row); as a
-// LATERAL join (an aggregate begun for every row, and one more join to
-// plan) the claim cost the server 7% more (pgbench, 400 claims of 100 rows,
-// four rounds).
+// claim, at the end of the attachment index): most queues carry none, and
+// the probes were a tenth of the claim's cost. The probes are subqueries
+// run only when that test passes (a row with attachments is probed twice,
+// for the count and for the octets: rare, and cheaper than an aggregate for
+// every row); as a LATERAL join (an aggregate begun for every row, and one
+// more join to plan) the claim cost the server 7% more (pgbench, 400 claims
+// of 100 rows, four rounds).
 const CLAIM: &str = concat!(
     r#"
-WITH d AS MATERIALIZED (
-    SELECT id,
-           (COALESCE(octet_length(body), 0) + COALESCE(octet_length(body_html), 0)
-            + COALESCE(octet_length(from_name), 0) + COALESCE(octet_length(from_address), 0)
-            + octet_length(to_address) + COALESCE(octet_length(cc), 0)
-            + COALESCE(octet_length(bcc), 0) + COALESCE(octet_length(reply_to), 0)
-            + octet_length(subject) + COALESCE(pg_column_size(headers), 0))::int8
-               AS content_bytes,
-           id <= (SELECT max(y.mail_id) FROM mail_attachment AS y) AS may_have_attachments
-    FROM mail_queue
-    WHERE status = 'queued' AND send_at <= now()
-    ORDER BY priority DESC, send_at, id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
+WITH u AS (
+    UPDATE mail_queue AS m
+    SET status = 'sending',
+        thread_lock = $2::uuid,
+        locked_at = now(),
+        attempts = m.attempts + 1,
+        attempts_remaining = m.attempts_remaining - 1,
+        message_id = COALESCE(m.message_id,
+            '<' || lpad(to_hex(hashint8extended(m.id, interval_hash_extended(
+                                    m.created_at - timestamptz 'epoch', 0))), 16, '0')
+                || '.' || m.id || '@' || $4::text || '>')
+    WHERE m.id = ANY (ARRAY(
+        SELECT id FROM mail_queue
+        WHERE status = 'queued' AND send_at <= now()
+        ORDER BY priority DESC, send_at, id
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED))
+    RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count,
+        m.message_id,
+        GREATEST(m.created_at, m.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
+        (COALESCE(octet_length(m.body), 0) + COALESCE(octet_length(m.body_html), 0)
+         + COALESCE(octet_length(m.from_name), 0) + COALESCE(octet_length(m.from_address), 0)
+         + octet_length(m.to_address) + COALESCE(octet_length(m.cc), 0)
+         + COALESCE(octet_length(m.bcc), 0) + COALESCE(octet_length(m.reply_to), 0)
+         + octet_length(m.subject) + COALESCE(pg_column_size(m.headers), 0))::int8
+            AS content_bytes,
+        (COALESCE(octet_length(m.body), 0) + COALESCE(octet_length(m.body_html), 0))::int8
+            AS body_bytes,
+        m.id <= (SELECT max(y.mail_id) FROM mail_attachment AS y) AS may_have_attachments,
+        m.from_name, m.from_address, m.to_address, m.cc, m.bcc, m.reply_to, m.subject,
+        m.body, m.body_html, m.headers
 )
-UPDATE mail_queue AS m
-SET status = 'sending',
-    thread_lock = $2::uuid,
-    locked_at = now(),
-    attempts = m.attempts + 1,
-    attempts_remaining = m.attempts_remaining - 1,
-    message_id = COALESCE(m.message_id,
-        '<' || lpad(to_hex(hashint8extended(m.id, interval_hash_extended(
-                                m.created_at - timestamptz 'epoch', 0))), 16, '0')
-            || '.' || m.id || '@' || $4::text || '>')
-FROM d
-WHERE m.id = d.id
-RETURNING m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count, m.message_id,
-    GREATEST(m.created_at, m.retried_at) < now() - $5 * interval '1 millisecond' AS expired,
-    d.content_bytes,
-    (COALESCE(octet_length(m.body), 0) + COALESCE(octet_length(m.body_html), 0))::int8
-        AS body_bytes,
-    CASE WHEN d.may_have_attachments
-         THEN (SELECT count(*) FROM mail_attachment AS x WHERE x.mail_id = m.id)
+SELECT u.id, u.priority, u.attempts, u.attempts_remaining, u.relay_down_count, u.message_id,
+    u.expired, u.content_bytes, u.body_bytes,
+    CASE WHEN u.may_have_attachments
+         THEN (SELECT count(*) FROM mail_attachment AS x WHERE x.mail_id = u.id)
          ELSE 0 END AS attachment_count,
-    CASE WHEN d.may_have_attachments
+    CASE WHEN u.may_have_attachments
          THEN (SELECT COALESCE(sum(octet_length(x.content)), 0)::int8
-               FROM mail_attachment AS x WHERE x.mail_id = m.id)
+               FROM mail_attachment AS x WHERE x.mail_id = u.id)
          ELSE 0 END AS attachment_bytes,
-    d.content_bytes <= $6 AS inline,
+    u.content_bytes <= $6 AS inline,
     "#,
-    inline_columns!("d.content_bytes <= $6", "m.", "m.headers::text"),
+    inline_columns!("u.content_bytes <= $6", "u.", "u.headers::text"),
+    "\nFROM u",
 );
 
 /// The group commit's UPDATE. The outcomes come sorted by id: rows are
