@@ -109,7 +109,8 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // claim is one statement, one round trip: as a transaction that set
 // `enable_sort` locally (three round trips) it cost the server 2–7% more CPU
 // per mail in the benchmark's drains of real mail. The other connections
-// keep the planner's defaults. Each row's text sizes are read once, by the
+// plan every statement for its values (see `connect`) and may sort and scan
+// as the planner likes. Each row's text sizes are read once, by the
 // update that claims it; the text columns come along only for rows within
 // the inline limit ($6).
 //
