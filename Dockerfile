@@ -11,6 +11,7 @@
 FROM rust:1-slim-bookworm AS build
 WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
+COPY .cargo ./.cargo
 COPY src ./src
 COPY migrations ./migrations
 COPY benches ./benches

@@ -132,7 +132,7 @@ FROM (
            value ->> '$.delay_ms' AS delay_ms, value ->> '$.error' AS last_error,
            value ->> '$.refund' AS refund, value ->> '$.processed' AS processed,
            value ->> '$.relay_down' AS relay_down, value ->> '$.relay_reply' AS relay_reply
-    FROM json_each(?1)
+    FROM jsonb_each(?1)
 ) AS f
 WHERE mail_queue.id = f.id AND mail_queue.thread_lock = f.lock AND mail_queue.status = 'sending'
 RETURNING mail_queue.id
@@ -144,14 +144,14 @@ const FINALIZE_EVENTS: &str = r#"
 INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
 SELECT value ->> '$.id', value ->> '$.ev_attempt', value ->> '$.ev_outcome',
        value ->> '$.ev_stage', value ->> '$.ev_code', value ->> '$.ev_detail'
-FROM json_each(?1)
+FROM jsonb_each(?1)
 WHERE value ->> '$.ev_outcome' IS NOT NULL
   AND value ->> '$.id' IN (SELECT value FROM json_each(?2))
 "#;
 
 const RENEW: &str = r#"
 UPDATE mail_queue NOT INDEXED SET locked_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
-FROM (SELECT value ->> '$.id' AS id, value ->> '$.lock' AS lock FROM json_each(?1)) AS h
+FROM (SELECT value ->> '$.id' AS id, value ->> '$.lock' AS lock FROM jsonb_each(?1)) AS h
 WHERE mail_queue.id = h.id AND mail_queue.thread_lock = h.lock AND mail_queue.status = 'sending'
 "#;
 
@@ -176,7 +176,7 @@ INSERT INTO mail_event (mail_id, attempt, outcome, stage, detail)
 SELECT value ->> '$[0]', value ->> '$[1]', 'stale', 'lock',
        CASE WHEN value ->> '$[2]' THEN 'lock expired: the worker stopped during this attempt'
             ELSE 'lock expired: the worker stopped during the last attempt' END
-FROM json_each(?1)
+FROM jsonb_each(?1)
 "#;
 
 static QUERIES: Queries = Queries {
@@ -477,7 +477,7 @@ mod tests {
                 .iter()
                 .map(|row| row.get::<String, _>(3))
                 .collect();
-            assert!(plan[0].starts_with("SCAN json_each"), "{name}: {plan:?}");
+            assert!(plan[0].starts_with("SCAN jsonb_each"), "{name}: {plan:?}");
             assert!(
                 plan.iter()
                     .any(|step| step.contains("SEARCH mail_queue USING INTEGER PRIMARY KEY")),
