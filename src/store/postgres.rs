@@ -33,9 +33,9 @@ const CHANNEL: &str = "tablemail";
 /// listener's connection, and the connection claims run on.
 pub(crate) struct Postgres {
     options: PgConnectOptions,
-    /// One connection whose session plans once and without sorting or
-    /// scanning a table whole (see [`CLAIM`]),
-    /// taken from `database.max_connections`.
+    /// One connection, taken from `database.max_connections`, whose session
+    /// plans once and without sorting or scanning a table whole (see
+    /// [`CLAIM`]).
     claims: PgPool,
 }
 
@@ -74,6 +74,8 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
         .max_connections(options.max_connections.saturating_sub(1).max(1))
         .acquire_timeout(options.statement_timeout)
         .connect_lazy_with(connect.clone());
+    // The claim's settings follow the shared ones in the startup options:
+    // PostgreSQL applies them in order, so its `plan_cache_mode` wins.
     let claims = PgPoolOptions::new()
         .max_connections(1)
         .acquire_timeout(options.statement_timeout)
