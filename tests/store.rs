@@ -52,6 +52,68 @@ mod message_id_after_a_lost_claim {
     }
 }
 
+/// On the backends that lock rows (PostgreSQL, MariaDB); SQLite's writer
+/// holds the whole database.
+mod a_claim_passes_over_rows_another_transaction_holds {
+    use super::*;
+    use sqlx::{Connection, Executor};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        if let Some(db) = TestDb::postgres().await {
+            let holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+            the_claim_takes_the_next_rows(db, holder, "").await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql() {
+        if let Some(db) = TestDb::mysql().await {
+            let holder = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
+            // Through the primary key: on a table this small InnoDB would
+            // rather scan a secondary index, and lock every row it passes.
+            the_claim_takes_the_next_rows(db, holder, " FORCE INDEX (PRIMARY)").await;
+        }
+    }
+
+    /// Another transaction holds the first five rows of the queue (an
+    /// operator's UPDATE, another daemon's claim in flight): a claim of ten
+    /// takes the ten after them, and the five once they are let go.
+    async fn the_claim_takes_the_next_rows<C>(db: TestDb, mut holder: C, by_id: &str)
+    where
+        for<'c> &'c mut C: Executor<'c>,
+    {
+        let mails: Vec<NewMail> = (0..20)
+            .map(|i| mail(&format!("u{i}@example.com"), "x"))
+            .collect();
+        let ids: Vec<i64> = db
+            .store
+            .enqueue(&mails)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.id)
+            .collect();
+        let held = ids[..5]
+            .iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let hold = format!("SELECT id FROM mail_queue{by_id} WHERE id IN ({held}) FOR UPDATE");
+        holder.execute("BEGIN").await.unwrap();
+        holder.execute(sqlx::AssertSqlSafe(hold)).await.unwrap();
+        let mut first: Vec<i64> = claimed(&db, 10).await.iter().map(|m| m.id).collect();
+        first.sort_unstable();
+        assert_eq!(first, ids[5..15], "the ten rows after the held ones");
+        holder.execute("ROLLBACK").await.unwrap();
+        let mut second: Vec<i64> = claimed(&db, 10).await.iter().map(|m| m.id).collect();
+        second.sort_unstable();
+        let mut rest = ids[..5].to_vec();
+        rest.extend_from_slice(&ids[15..]);
+        assert_eq!(second, rest, "the held rows once let go, and the last five");
+    }
+}
+
 fn claim(limit: usize) -> Claim<'static> {
     Claim {
         lock: BatchLock::generate(),
