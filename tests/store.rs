@@ -69,16 +69,23 @@ mod a_claim_passes_over_rows_another_transaction_holds {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql() {
         if let Some(db) = TestDb::mysql().await {
-            let holder = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
-            // Through the primary key: on a table this small InnoDB would
-            // rather scan a secondary index, and lock every row it passes.
+            let mut holder = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
+            // As an application would lock rows by id: through the primary
+            // key (on a table this small InnoDB would rather scan a secondary
+            // index), keeping the locks of the matching rows only.
+            holder
+                .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                .await
+                .unwrap();
             the_claim_takes_the_next_rows(db, holder, " FORCE INDEX (PRIMARY)").await;
         }
     }
 
-    /// Another transaction holds the first five rows of the queue (an
+    /// Another transaction holds the first eight rows of the queue (an
     /// operator's UPDATE, another daemon's claim in flight): a claim of ten
-    /// takes the ten after them, and the five once they are let go.
+    /// takes the ten after them, a claim of one the next (eight times its
+    /// batch past the held rows), and a claim once they are let go takes
+    /// the eight and the last row.
     async fn the_claim_takes_the_next_rows<C>(db: TestDb, mut holder: C, by_id: &str)
     where
         for<'c> &'c mut C: Executor<'c>,
@@ -94,7 +101,7 @@ mod a_claim_passes_over_rows_another_transaction_holds {
             .into_iter()
             .map(|e| e.id)
             .collect();
-        let held = ids[..5]
+        let held = ids[..8]
             .iter()
             .map(i64::to_string)
             .collect::<Vec<_>>()
@@ -102,15 +109,25 @@ mod a_claim_passes_over_rows_another_transaction_holds {
         let hold = format!("SELECT id FROM mail_queue{by_id} WHERE id IN ({held}) FOR UPDATE");
         holder.execute("BEGIN").await.unwrap();
         holder.execute(sqlx::AssertSqlSafe(hold)).await.unwrap();
-        let mut first: Vec<i64> = claimed(&db, 10).await.iter().map(|m| m.id).collect();
-        first.sort_unstable();
-        assert_eq!(first, ids[5..15], "the ten rows after the held ones");
+        let ids_of = |batch: Vec<QueuedMail>| {
+            let mut ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
+            ids.sort_unstable();
+            ids
+        };
+        assert_eq!(
+            ids_of(claimed(&db, 10).await),
+            ids[8..18],
+            "the ten after the held rows"
+        );
+        assert_eq!(ids_of(claimed(&db, 1).await), ids[18..19], "the next one");
         holder.execute("ROLLBACK").await.unwrap();
-        let mut second: Vec<i64> = claimed(&db, 10).await.iter().map(|m| m.id).collect();
-        second.sort_unstable();
-        let mut rest = ids[..5].to_vec();
-        rest.extend_from_slice(&ids[15..]);
-        assert_eq!(second, rest, "the held rows once let go, and the last five");
+        let mut rest = ids[..8].to_vec();
+        rest.push(ids[19]);
+        assert_eq!(
+            ids_of(claimed(&db, 10).await),
+            rest,
+            "the held rows once let go, and the last"
+        );
     }
 }
 

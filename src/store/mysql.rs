@@ -1,6 +1,6 @@
 //! MySQL 8 and MariaDB 10.6+: claims read the head of the pending index, lock
-//! its rows by id `FOR UPDATE SKIP LOCKED` in a short READ COMMITTED
-//! transaction (no gap locks in the way of applications' INSERTs), stamp them
+//! its rows by id `FOR UPDATE SKIP LOCKED` (never walking the index locking)
+//! in a short READ COMMITTED transaction (no gap locks in the way of applications' INSERTs), stamp them
 //! with the batch GUID and read them back, since MariaDB has no `UPDATE …
 //! RETURNING`. Finalize joins `JSON_TABLE` of the outcomes.
 //! Rows are always locked in id order (finalize and lock renewal alike), so
@@ -109,17 +109,6 @@ LIMIT ?
 const LOCK_HEAD: &str = r#"
 SELECT id FROM mail_queue FORCE INDEX (PRIMARY)
 WHERE status = 'queued' AND send_at <= UTC_TIMESTAMP(6) AND id IN "#;
-
-// When another daemon took part of the head: the locking walk of the pending
-// index, which passes over rows other claims hold. Rows this claim already
-// holds come back too (a transaction never skips its own locks).
-const PICK_DUE: &str = r#"
-SELECT id FROM mail_queue FORCE INDEX (mail_queue_claim_idx)
-WHERE status = 'queued' AND send_at <= UTC_TIMESTAMP(6)
-ORDER BY priority DESC, send_at, id
-LIMIT ?
-FOR UPDATE SKIP LOCKED
-"#;
 
 // The Message-ID, given at the first claim, is derived from the row alone
 // (as PostgreSQL's, see there): a claim lost in a failover gives it again.
@@ -408,6 +397,67 @@ async fn lock_by_id(
         .await
 }
 
+/// How deep a claim looks past rows other claims hold, in batches.
+const HEAD_DEPTH: i64 = 64;
+
+/// Locks up to `limit` due rows in claim order and returns their ids. The
+/// head of the pending index is read without locks and its rows are locked
+/// by id; rows other claims hold meanwhile (they look queued until those
+/// commit) are passed over by reading a window twice as long, up to
+/// [`HEAD_DEPTH`] batches.
+///
+/// No claim walks the index locking: such a walk locks the index entry of
+/// every row it passes, also of rows it skips because another claim holds
+/// them, and that claim's stamp then waits for it (InnoDB found deadlocks
+/// between two claims that way, with four daemons on one table).
+async fn pick(
+    tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
+    limit: i64,
+) -> Result<Vec<i64>, sqlx::Error> {
+    let wanted = usize::try_from(limit).unwrap_or(usize::MAX);
+    let mut locked: Vec<i64> = Vec::new();
+    let mut window = limit;
+    let mut tried = std::collections::HashSet::new();
+    loop {
+        let head: Vec<i64> = sqlx::query_scalar(HEAD)
+            .bind(window)
+            .fetch_all(&mut **tx)
+            .await?;
+        // The rows not tried before, in claim order, locked a batch's
+        // remainder at a time: no row is locked that the claim will not take.
+        let mut fresh = head.iter().copied();
+        while locked.len() < wanted {
+            let chunk: Vec<i64> = fresh
+                .by_ref()
+                .filter(|id| tried.insert(*id))
+                .take(wanted - locked.len())
+                .collect();
+            if chunk.is_empty() {
+                break;
+            }
+            let sql = format!(
+                "{LOCK_HEAD}{} ORDER BY id FOR UPDATE SKIP LOCKED",
+                in_list(chunk.len())
+            );
+            for row in bind_ids(sqlx::query(AssertSqlSafe(sql)), &chunk)
+                .fetch_all(&mut **tx)
+                .await?
+            {
+                locked.push(row.try_get::<i64, _>(0)?);
+            }
+        }
+        let deeper = window.saturating_mul(2);
+        if locked.len() >= wanted
+            || (head.len() as i64) < window
+            || deeper > limit.saturating_mul(HEAD_DEPTH)
+        {
+            break;
+        }
+        window = deeper;
+    }
+    Ok(locked)
+}
+
 impl Dialect for MySql {
     type DB = sqlx::MySql;
     const BACKEND: Backend = Backend::Mysql;
@@ -417,34 +467,7 @@ impl Dialect for MySql {
 
     async fn claim(c: &mut MySqlConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {
         let mut tx = c.begin().await?;
-        let head: Vec<i64> = sqlx::query_scalar(HEAD)
-            .bind(b.limit)
-            .fetch_all(&mut *tx)
-            .await?;
-        let mut ids: Vec<i64> = if head.is_empty() {
-            Vec::new()
-        } else {
-            let sql = format!(
-                "{LOCK_HEAD}{} ORDER BY id FOR UPDATE SKIP LOCKED",
-                in_list(head.len())
-            );
-            bind_ids(sqlx::query(AssertSqlSafe(sql)), &head)
-                .fetch_all(&mut *tx)
-                .await?
-                .iter()
-                .map(|row| row.try_get(0))
-                .collect::<Result<_, _>>()?
-        };
-        if ids.len() < head.len() {
-            // Part of the head was taken meanwhile: walk the index locking.
-            // The rows just locked are at its head and come back with the
-            // rest; one that does not (a row of higher priority came first)
-            // is only locked until the commit, and stays queued.
-            ids = sqlx::query_scalar(PICK_DUE)
-                .bind(b.limit)
-                .fetch_all(&mut *tx)
-                .await?;
-        }
+        let ids = pick(&mut tx, b.limit).await?;
         if ids.is_empty() {
             tx.commit().await?;
             return Ok(Vec::new());
