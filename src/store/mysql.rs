@@ -1,8 +1,9 @@
 //! MySQL 8 and MariaDB 10.6+: claims read the head of the pending index, lock
 //! its rows by id `FOR UPDATE SKIP LOCKED` (never walking the index locking)
-//! in a short READ COMMITTED transaction (no gap locks in the way of applications' INSERTs), stamp them
-//! with the batch GUID and read them back, since MariaDB has no `UPDATE …
-//! RETURNING`. Finalize joins `JSON_TABLE` of the outcomes.
+//! in a short READ COMMITTED transaction (no gap locks in the way of
+//! applications' INSERTs), stamp them with the batch GUID and read them
+//! back, since MariaDB has no `UPDATE … RETURNING`. Finalize joins
+//! `JSON_TABLE` of the outcomes.
 //! Rows are always locked in id order (finalize and lock renewal alike), so
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
 //! NOTIFY, so idle daemons poll. A little over 500 lines: its SQL, each
@@ -408,8 +409,9 @@ const HEAD_DEPTH: i64 = 64;
 ///
 /// No claim walks the index locking: such a walk locks the index entry of
 /// every row it passes, also of rows it skips because another claim holds
-/// them, and that claim's stamp then waits for it (InnoDB found deadlocks
-/// between two claims that way, with four daemons on one table).
+/// them by id, and that claim's stamp then waits for it (a build that fell
+/// back to the walk under contention drew deadlocks between two claims
+/// that way, with four daemons on one table).
 async fn pick(
     tx: &mut sqlx::Transaction<'_, sqlx::MySql>,
     limit: i64,
