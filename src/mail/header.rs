@@ -207,20 +207,26 @@ pub(super) fn encoded_words_within<O: Out>(
         let mut len = 10;
         let mut taken = 0;
         if q {
-            for (i, c) in rest.char_indices() {
-                let bytes = &rest.as_bytes()[i..i + c.len_utf8()];
-                let width: usize = bytes
-                    .iter()
-                    .map(|&b| if q_safe(b) || b == b' ' { 1 } else { 3 })
-                    .sum();
+            // A whole character at a time, read from its first octet: an
+            // ASCII one takes one character or three, every octet of any
+            // other takes three.
+            let octets = rest.as_bytes();
+            while let Some(&b) = octets.get(taken) {
+                let (n, width) = match b {
+                    0..=0x7f if q_safe(b) || b == b' ' => (1, 1),
+                    0..=0x7f => (1, 3),
+                    0xf0.. => (4, 12),
+                    0xe0.. => (3, 9),
+                    _ => (2, 6),
+                };
                 if len - 10 + width > budget && taken > 0 {
                     break;
                 }
-                for &b in bytes {
+                for &b in &octets[taken..taken + n] {
                     if b == b' ' {
                         word[len] = b'_';
                         len += 1;
-                    } else if q_safe(b) {
+                    } else if width == 1 {
                         word[len] = b;
                         len += 1;
                     } else {
@@ -232,7 +238,7 @@ pub(super) fn encoded_words_within<O: Out>(
                         len += 3;
                     }
                 }
-                taken = i + c.len_utf8();
+                taken += n;
             }
         } else {
             for (i, c) in rest.char_indices() {
