@@ -105,6 +105,55 @@ async fn a_100_mb_row_fails_unread_beside_twenty_ordinary_ones() {
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 }
 
+/// SQLite keeps the octets it is given in a text column, UTF-8 or not. Such
+/// a row used to fail the decoding of its whole claim, and each claim
+/// after it: no mail of the queue went out again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_that_is_not_utf8_fails_its_own_row_only() {
+    let Some(db) = TestDb::sqlite().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&[]);
+    let mails: Vec<NewMail> = (0..10)
+        .map(|i| mail(&format!("u{i}@example.org"), "ordinary"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    // One brought by the claim itself, one too large for that (its text
+    // read when it is sent), both ahead of the others.
+    let subject = db.enqueue(mail("a@example.org", "x")).await;
+    let body = db.enqueue(mail("b@example.org", "x")).await;
+    db.exec(&format!(
+        "UPDATE mail_queue SET subject = CAST(x'4fc3' AS TEXT), priority = 5 WHERE id = {subject}"
+    ))
+    .await;
+    db.exec(&format!(
+        "UPDATE mail_queue SET body = CAST(printf('%.*c', 40000, 'x') || x'ff' AS TEXT), \
+         priority = 5 WHERE id = {body}"
+    ))
+    .await;
+    let mut daemon = Daemon::start(daemon_env(&db, &smtp.url(), &[]));
+    eventually("all 12 final", Duration::from_secs(30), || async {
+        db.count("status IN ('sent', 'failed')").await == 12
+    })
+    .await;
+    for (id, column, at) in [(subject, "subject", 1), (body, "body", 40000)] {
+        let row = db.row(id).await;
+        assert_eq!(row.status, "failed", "{column}");
+        assert_eq!(
+            row.last_error.as_deref(),
+            Some(format!("{column} is not UTF-8 text (a bad octet at offset {at})").as_str())
+        );
+    }
+    assert_eq!(db.count("status = 'sent'").await, 10);
+    let received = smtp.received();
+    assert_eq!(received.len(), 10);
+    assert!(received
+        .iter()
+        .all(|m| m.header("Subject").as_deref() == Some("ordinary")));
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn headers_cannot_change_the_envelope_or_the_trace() {
     let Some(db) = TestDb::postgres().await else {

@@ -61,6 +61,8 @@ pub enum MailError {
     NoSender,
     #[error("message of {size} bytes is over transport.max_message_size ({max} bytes)")]
     TooLarge { size: usize, max: u64 },
+    #[error("{column} is not UTF-8 text (a bad octet at offset {at})")]
+    NotUtf8 { column: &'static str, at: usize },
     #[error("cannot build the message: {0}")]
     Build(String),
     #[error("{0}")]

@@ -144,6 +144,11 @@ pub struct MailContent {
     pub body_html: Option<String>,
     /// The `headers` column as JSON text.
     pub headers: Option<String>,
+    /// The first of these columns that is not UTF-8 (text SQLite stored as
+    /// it was given), and the offset of its first bad octet: that column
+    /// reads as empty, and the mail fails rather than goes out.
+    #[serde(skip)]
+    pub not_utf8: Option<(&'static str, usize)>,
 }
 
 /// One row of `mail_attachment`, as loaded to be sent.

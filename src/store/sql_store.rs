@@ -41,6 +41,7 @@ where
     for<'r> f64: Decode<'r, D::DB> + Type<D::DB>,
     for<'r> String: Decode<'r, D::DB> + Type<D::DB>,
     for<'r> Vec<u8>: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> &'r [u8]: Decode<'r, D::DB>,
     for<'r> DateTime<Utc>: Decode<'r, D::DB> + Type<D::DB>,
     for<'r> Option<String>: Decode<'r, D::DB>,
 {

@@ -157,6 +157,9 @@ impl Worker {
                 }
             },
         };
+        if let Some((column, at)) = content.not_utf8 {
+            return Ready::held(mail, Attempt::Invalid(MailError::NotUtf8 { column, at }));
+        }
         let attachments = match mail.sizes.attachments {
             0 => Vec::new(),
             _ => match self.store.load_attachments(mail.id).await {
