@@ -120,31 +120,21 @@ from_row!(UnlockedRow { id, status });
 from_row!(MailContent, |row| {
     let mut not_utf8 = None;
     let mut text = |column| text(row, column, &mut not_utf8);
-    let (from_name, from_address, to_address) = (
-        text("from_name")?,
-        text("from_address")?,
-        text("to_address")?,
-    );
-    let (cc, bcc, reply_to, subject) = (
-        text("cc")?,
-        text("bcc")?,
-        text("reply_to")?,
-        text("subject")?,
-    );
-    let (body, body_html, headers) = (text("body")?, text("body_html")?, text("headers")?);
-    Ok(MailContent {
-        from_name,
-        from_address,
-        to_address: required("to_address", to_address)?,
-        cc,
-        bcc,
-        reply_to,
-        subject: required("subject", subject)?,
-        body,
-        body_html,
-        headers,
-        not_utf8,
-    })
+    let mut content = MailContent {
+        from_name: text("from_name")?,
+        from_address: text("from_address")?,
+        to_address: required("to_address", text("to_address")?)?,
+        cc: text("cc")?,
+        bcc: text("bcc")?,
+        reply_to: text("reply_to")?,
+        subject: required("subject", text("subject")?)?,
+        body: text("body")?,
+        body_html: text("body_html")?,
+        headers: text("headers")?,
+        not_utf8: None,
+    };
+    content.not_utf8 = not_utf8;
+    Ok(content)
 });
 
 /// A text column of a mail's content, its UTF-8 checked by `simdutf8` at
