@@ -29,6 +29,7 @@ where
     <D::DB as Database>::Arguments: sqlx::IntoArguments<D::DB>,
     for<'c> &'c mut <D::DB as Database>::Connection: Executor<'c, Database = D::DB>,
     for<'r> &'r str: ColumnIndex<<D::DB as Database>::Row>,
+    usize: ColumnIndex<<D::DB as Database>::Row>,
     i64: Bind<D::DB>,
     i32: Bind<D::DB>,
     Option<i64>: Bind<D::DB>,
