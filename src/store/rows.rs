@@ -534,14 +534,73 @@ where
     String: Decode<'r, R::Database> + Type<R::Database>,
     &'r [u8]: Decode<'r, R::Database>,
 {
+    decode_claimed(rows, lock, true)
+}
+
+/// Decodes the rows of a claim that brought no text columns and no
+/// `inline` (the content is read by [`contents`]).
+pub(crate) fn claimed_without_content<'r, R>(
+    rows: &'r [R],
+    lock: BatchLock,
+) -> Result<Vec<QueuedMail>, sqlx::Error>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    usize: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    i32: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    &'r [u8]: Decode<'r, R::Database>,
+{
+    decode_claimed(rows, lock, false)
+}
+
+/// Rows of `id` and the content columns, decoded by position.
+pub(crate) fn contents<'r, R>(rows: &'r [R]) -> Result<Vec<(i64, MailContent)>, sqlx::Error>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    usize: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    &'r [u8]: Decode<'r, R::Database>,
+{
+    let Some(first) = rows.first() else {
+        return Ok(Vec::new());
+    };
+    let id = "id".index(first)?;
+    let content = ContentColumns::of(first)?;
+    rows.iter()
+        .map(|row| Ok((row.try_get(id)?, content.decode(row)?)))
+        .collect()
+}
+
+fn decode_claimed<'r, R>(
+    rows: &'r [R],
+    lock: BatchLock,
+    with_content: bool,
+) -> Result<Vec<QueuedMail>, sqlx::Error>
+where
+    R: Row,
+    &'r str: ColumnIndex<R>,
+    usize: ColumnIndex<R>,
+    i64: Decode<'r, R::Database> + Type<R::Database>,
+    i32: Decode<'r, R::Database> + Type<R::Database>,
+    bool: Decode<'r, R::Database> + Type<R::Database>,
+    String: Decode<'r, R::Database> + Type<R::Database>,
+    &'r [u8]: Decode<'r, R::Database>,
+{
     let Some(first) = rows.first() else {
         return Ok(Vec::new());
     };
     let mut at = [0; 12];
-    for (at, name) in at.iter_mut().zip(CLAIM_COLUMNS) {
+    let named = if with_content { 12 } else { 11 };
+    for (at, name) in at.iter_mut().zip(CLAIM_COLUMNS).take(named) {
         *at = name.index(first)?;
     }
-    let content = ContentColumns::of(first)?;
+    let content = with_content
+        .then(|| ContentColumns::of(first))
+        .transpose()?;
     let [id, priority, attempts, attempts_remaining, relay_down_count, message_id, expired, content_bytes, body_bytes, attachment_count, attachment_bytes, inline] =
         at;
     rows.iter()
@@ -564,10 +623,9 @@ where
                     attachments: size(attachment_count)? as u32,
                     attachment_bytes: size(attachment_bytes)?,
                 },
-                content: if row.try_get(inline)? {
-                    Some(content.decode(row)?)
-                } else {
-                    None
+                content: match content {
+                    Some(content) if row.try_get(inline)? => Some(content.decode(row)?),
+                    _ => None,
                 },
             })
         })
