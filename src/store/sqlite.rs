@@ -1,7 +1,8 @@
 //! SQLite, the embedded default for one host: WAL mode, a busy timeout, and a
 //! claim that is a single `UPDATE … WHERE id IN (SELECT … LIMIT n) RETURNING`
-//! statement. SQLite runs one writer at a time, so two daemons on one file
-//! can never claim the same row. There is no NOTIFY: a watcher polls
+//! statement, followed by a read of the text columns of the rows it took.
+//! SQLite runs one writer at a time, so two daemons on one file can never
+//! claim the same row. There is no NOTIFY: a watcher polls
 //! `PRAGMA data_version`, which changes when any other connection commits.
 
 use std::{str::FromStr, sync::Arc, time::Duration};
