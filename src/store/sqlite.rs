@@ -111,8 +111,8 @@ RETURNING id, priority, attempts, attempts_remaining, relay_down_count, message_
 /// that fit the inline limit, read by the claim's next statement. In the
 /// claim's RETURNING each column was `CASE WHEN <the ten sizes summed> <=
 /// limit`: SQLite has no common subexpressions and summed them eleven more
-/// times a row (7–8% of the daemon's instructions per mail). The lock and
-/// status are checked as `load_content` checks them.
+/// times a row (about a tenth of the daemon's instructions per mail). The
+/// lock and status are checked as `load_content` checks them.
 const CLAIM_CONTENT: &str = r#"
 SELECT id, from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
        headers
@@ -354,9 +354,11 @@ impl Dialect for Sqlite {
         if inline.is_empty() {
             return Ok(mails);
         }
-        // Committed already: a row this read misses (gone or released in
-        // between) is read when sent, like a row over the limit, and found
-        // gone then.
+        // The claim is committed already. A row this read misses (gone or
+        // released in between) is read when sent, like a row over the
+        // limit, and found gone then; if the read fails, the claim fails,
+        // and the worker releases its lock as it does for a claim whose
+        // answer was lost (attempts refunded).
         let rows = sqlx::query(CLAIM_CONTENT)
             .bind(serde_json::to_string(&inline).expect("ids serialize to JSON"))
             .bind(lock.to_string())
