@@ -25,6 +25,7 @@ for_each_backend!(
     status_counts_and_ages,
     retry_cancel_and_purge,
     large_rows_are_claimed_without_their_content,
+    a_row_at_the_inline_limit_comes_whole_and_one_octet_over_does_not,
     attachments_are_loaded_in_order_and_go_with_their_mail,
     errors_say_what_to_do,
     a_large_group_commit_writes_every_outcome,
@@ -829,6 +830,49 @@ async fn postgres_a_claim_planned_on_a_tiny_table_stays_on_the_indexes_after_a_b
         "the claim read {} entries of the primary key for 100 rows of 20,000",
         pkey_reads - pkey_before
     );
+}
+
+/// The inline limit counts the octets of a row's text columns together: a
+/// row of exactly the limit comes with its columns, a row one octet over
+/// without them (to be read when sent).
+async fn a_row_at_the_inline_limit_comes_whole_and_one_octet_over_does_not(db: TestDb) {
+    let row = |to: &str, body_octets: usize| {
+        let mut m = mail(to, "s");
+        // "ü" is two octets: the limit counts octets, not characters.
+        m.body = Some(format!(
+            "{}{}",
+            "ü".repeat(10),
+            "x".repeat(body_octets - 20)
+        ));
+        m
+    };
+    // 14 (address) + 1 (subject) + 85 (body) = 100 octets; then 101.
+    let at = db.enqueue(row("at@example.com", 85)).await;
+    let over = db.enqueue(row("ov@example.com", 86)).await;
+    let batch = db
+        .store
+        .claim_batch(&Claim {
+            inline_limit: 100,
+            ..claim(10)
+        })
+        .await
+        .unwrap();
+    let by_id = |id| batch.iter().find(|m| m.id == id).unwrap();
+    let (a, o) = (by_id(at), by_id(over));
+    assert_eq!((a.sizes.content, o.sizes.content), (100, 101));
+    let content = a
+        .content
+        .as_ref()
+        .expect("a row of exactly the limit comes whole");
+    assert_eq!(content.body.as_deref().map(str::len), Some(85));
+    assert_eq!(content.to_address, "at@example.com");
+    assert_eq!(content.subject, "s");
+    assert!(
+        o.content.is_none(),
+        "a row one octet over comes without its columns"
+    );
+    let loaded = db.store.load_content(o.id, o.lock).await.unwrap().unwrap();
+    assert_eq!(loaded.body.map(|b| b.len()), Some(86));
 }
 
 /// A claim brings the columns of a small row; a large one comes with its
