@@ -69,13 +69,26 @@ impl ClaimBinds {
         i64: super::rows::Bind<DB>,
         String: super::rows::Bind<DB>,
     {
+        let inline_limit = self.inline_limit;
+        self.bind_but_inline_limit(query).bind(inline_limit)
+    }
+
+    /// [`ClaimBinds::bind`] without the inline limit, for a claim that
+    /// leaves the text to a statement of its own (SQLite's).
+    pub(crate) fn bind_but_inline_limit<'q, DB: sqlx::Database>(
+        self,
+        query: sqlx::query::Query<'q, DB, DB::Arguments>,
+    ) -> sqlx::query::Query<'q, DB, DB::Arguments>
+    where
+        i64: super::rows::Bind<DB>,
+        String: super::rows::Bind<DB>,
+    {
         query
             .bind(self.limit)
             .bind(self.lock.to_string())
             .bind(self.nonce)
             .bind(self.domain)
             .bind(self.max_age)
-            .bind(self.inline_limit)
     }
 }
 

@@ -484,7 +484,7 @@ impl Dialect for MySql {
             .bind(b.inline_limit)
             .bind(b.max_age);
         let rows = bind_ids(read, &ids).fetch_all(&mut *tx).await?;
-        let mails = rows::claimed(&rows, b.lock)?;
+        let mails = rows::claimed(&rows, b.lock, rows::ClaimedText::Inline)?;
         // Nothing is sent unless this commit succeeds.
         tx.commit().await?;
         Ok(mails)

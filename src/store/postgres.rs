@@ -433,7 +433,7 @@ impl Dialect for Postgres {
     async fn claim(c: &mut PgConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {
         let lock = b.lock;
         let rows = b.bind(sqlx::query(CLAIM)).fetch_all(&mut *c).await?;
-        rows::claimed(&rows, lock)
+        rows::claimed(&rows, lock, rows::ClaimedText::Inline)
     }
 
     fn claim_pool<'a>(&'a self, _: &'a Shared<sqlx::Postgres>) -> &'a PgPool {

@@ -522,41 +522,6 @@ const CLAIM_COLUMNS: [&str; 12] = [
     "inline",
 ];
 
-/// Decodes the rows of a claim under `lock`, the columns found by name in
-/// the first row only (see [`ContentColumns`]).
-pub(crate) fn claimed<'r, R>(rows: &'r [R], lock: BatchLock) -> Result<Vec<QueuedMail>, sqlx::Error>
-where
-    R: Row,
-    &'r str: ColumnIndex<R>,
-    usize: ColumnIndex<R>,
-    i64: Decode<'r, R::Database> + Type<R::Database>,
-    i32: Decode<'r, R::Database> + Type<R::Database>,
-    bool: Decode<'r, R::Database> + Type<R::Database>,
-    String: Decode<'r, R::Database> + Type<R::Database>,
-    &'r [u8]: Decode<'r, R::Database>,
-{
-    decode_claimed(rows, lock, true)
-}
-
-/// Decodes the rows of a claim that brought no text columns and no
-/// `inline` (the content is read by [`contents`]).
-pub(crate) fn claimed_without_content<'r, R>(
-    rows: &'r [R],
-    lock: BatchLock,
-) -> Result<Vec<QueuedMail>, sqlx::Error>
-where
-    R: Row,
-    &'r str: ColumnIndex<R>,
-    usize: ColumnIndex<R>,
-    i64: Decode<'r, R::Database> + Type<R::Database>,
-    i32: Decode<'r, R::Database> + Type<R::Database>,
-    bool: Decode<'r, R::Database> + Type<R::Database>,
-    String: Decode<'r, R::Database> + Type<R::Database>,
-    &'r [u8]: Decode<'r, R::Database>,
-{
-    decode_claimed(rows, lock, false)
-}
-
 /// Rows of `id` and the content columns, decoded by position.
 pub(crate) fn contents<'r, R>(rows: &'r [R]) -> Result<Vec<(i64, MailContent)>, sqlx::Error>
 where
@@ -576,10 +541,21 @@ where
         .collect()
 }
 
-fn decode_claimed<'r, R>(
+/// Where a claim's text columns are.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ClaimedText {
+    /// In the claim's rows, with `inline` (NULL unless `inline`).
+    Inline,
+    /// Not in the claim's rows, nor `inline`: read apart (see [`contents`]).
+    Apart,
+}
+
+/// Decodes the rows of a claim under `lock`, the columns found by name in
+/// the first row only (see [`ContentColumns`]).
+pub(crate) fn claimed<'r, R>(
     rows: &'r [R],
     lock: BatchLock,
-    with_content: bool,
+    text: ClaimedText,
 ) -> Result<Vec<QueuedMail>, sqlx::Error>
 where
     R: Row,
@@ -594,14 +570,14 @@ where
     let Some(first) = rows.first() else {
         return Ok(Vec::new());
     };
+    let with_text = text == ClaimedText::Inline;
     let mut at = [0; 12];
-    let named = if with_content { 12 } else { 11 };
+    // `inline` is the last of CLAIM_COLUMNS, absent when the text is apart.
+    let named = if with_text { 12 } else { 11 };
     for (at, name) in at.iter_mut().zip(CLAIM_COLUMNS).take(named) {
         *at = name.index(first)?;
     }
-    let content = with_content
-        .then(|| ContentColumns::of(first))
-        .transpose()?;
+    let content = with_text.then(|| ContentColumns::of(first)).transpose()?;
     let [id, priority, attempts, attempts_remaining, relay_down_count, message_id, expired, content_bytes, body_bytes, attachment_count, attachment_bytes, inline] =
         at;
     rows.iter()

@@ -337,15 +337,11 @@ impl Dialect for Sqlite {
         b: ClaimBinds,
     ) -> Result<Vec<QueuedMail>, sqlx::Error> {
         let (lock, inline_limit) = (b.lock, b.inline_limit.max(0) as u64);
-        let rows = sqlx::query(CLAIM)
-            .bind(b.limit)
-            .bind(lock.to_string())
-            .bind(b.nonce)
-            .bind(b.domain)
-            .bind(b.max_age)
+        let rows = b
+            .bind_but_inline_limit(sqlx::query(CLAIM))
             .fetch_all(&mut *c)
             .await?;
-        let mut mails = rows::claimed_without_content(&rows, lock)?;
+        let mut mails = rows::claimed(&rows, lock, rows::ClaimedText::Apart)?;
         let inline: Vec<i64> = mails
             .iter()
             .filter(|m| m.sizes.content <= inline_limit)
