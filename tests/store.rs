@@ -913,6 +913,61 @@ async fn mysql_the_stale_lock_sweep_reads_the_rows_in_flight_only() {
     );
 }
 
+/// Retention beside a claim on MariaDB: the first queued row is being stamped
+/// by a claim's transaction (status, lock), and its old entry in the
+/// retention index is the one that ends the range of the failed rows. The
+/// purge deletes the old failed rows at once, without waiting for that row:
+/// a purge that did (walking the index locking) drew a deadlock with the
+/// claim, which holds the row and then wants the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_a_purge_does_not_wait_for_a_row_a_claim_is_stamping() {
+    use sqlx::{Connection, Executor};
+    let Some(db) = TestDb::mysql().await else {
+        return;
+    };
+    db.exec(
+        "INSERT INTO mail_queue (to_address, subject, body, status, processed_at) \
+         SELECT CONCAT('f', seq, '@example.com'), 's', 'b', 'failed', \
+                UTC_TIMESTAMP(6) - INTERVAL 40 DAY FROM seq_1_to_3",
+    )
+    .await;
+    for i in 0..5 {
+        db.enqueue(mail(&format!("q{i}@example.com"), "x")).await;
+    }
+    let first = db
+        .scalar_i64("SELECT MIN(id) FROM mail_queue WHERE status = 'queued'")
+        .await;
+    let mut claim = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
+    claim
+        .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    claim.execute("BEGIN").await.unwrap();
+    claim
+        .execute(sqlx::AssertSqlSafe(format!(
+            "UPDATE mail_queue SET status = 'sending', thread_lock = UUID(), \
+             locked_at = UTC_TIMESTAMP(6), attempts = attempts + 1, \
+             attempts_remaining = attempts_remaining - 1 WHERE id = {first}"
+        )))
+        .await
+        .unwrap();
+
+    let purged = tokio::time::timeout(
+        Duration::from_secs(10),
+        db.store.purge(
+            Duration::from_secs(7 * 86_400),
+            Duration::from_secs(30 * 86_400),
+            1000,
+        ),
+    )
+    .await;
+    claim.execute("ROLLBACK").await.unwrap();
+    let purged = purged.expect("the purge waited for the claim's row");
+    assert_eq!(purged.unwrap(), 3);
+    assert_eq!(db.count("status = 'failed'").await, 0);
+    assert_eq!(db.count("status = 'queued'").await, 5);
+}
+
 /// The inline limit counts the octets of a row's text columns together: a
 /// row of exactly the limit comes with its columns, a row one octet over
 /// without them (to be read when sent).

@@ -12,8 +12,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     shared::{Queries, Shared},
-    Backend, BatchLock, ClaimBinds, Enqueued, Finalize, Maintenance, NewMail, QueuedMail, Result,
-    StaleRow,
+    Backend, BatchLock, ClaimBinds, Enqueued, Finalize, Finished, Maintenance, NewMail, QueuedMail,
+    Result, StaleRow,
 };
 
 /// A connection of a dialect's database.
@@ -64,6 +64,19 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
         c: &mut Conn<Self>,
         mails: Vec<NewMail>,
     ) -> impl Future<Output = Result<Vec<Enqueued>, sqlx::Error>> + Send;
+
+    /// Deletes up to `limit` finished rows of `kind` older than
+    /// `older_than` (the dialect's unit) its own way and says how many;
+    /// `None`: the shared statement (`purge_sent`, `purge_failed`) does.
+    fn purge(
+        c: &mut Conn<Self>,
+        kind: Finished,
+        older_than: i64,
+        limit: i64,
+    ) -> impl Future<Output = Result<Option<u64>, sqlx::Error>> + Send {
+        let _ = (c, kind, older_than, limit);
+        async { Ok(None) }
+    }
 
     /// Rows became due now (an operator's retry): wake the daemons, where
     /// the database can.

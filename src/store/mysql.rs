@@ -6,7 +6,8 @@
 //! `JSON_TABLE` of the outcomes.
 //! Rows are always locked in id order (finalize and lock renewal alike), so
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
-//! NOTIFY, so idle daemons poll. A little over 500 lines: its SQL, each
+//! NOTIFY, so idle daemons poll. Retention picks the rows it deletes by a plain
+//! read and deletes them by id. About 700 lines: its SQL, each
 //! statement with its reason.
 
 use std::{str::FromStr, time::Duration};
@@ -24,8 +25,8 @@ use super::{
     migrations::MYSQL,
     rows::{self, finalize_json, held_json, locks_json},
     shared::{self, portable, Queries, Shared},
-    Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, NewMail, QueuedMail,
-    Result, StaleRow,
+    Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Finished, NewMail,
+    QueuedMail, Result, StaleRow,
 };
 
 /// MySQL's and MariaDB's own ways.
@@ -250,6 +251,20 @@ SET processed_at = CASE WHEN attempts_remaining > 0 THEN processed_at ELSE UTC_T
 WHERE status = 'sending' AND id IN
 "#;
 
+/// Deletes finished rows picked by id (an IN list of their ids follows),
+/// each still of its kind and age: through the primary key, so that it
+/// locks the rows it deletes and no others.
+const PURGE_SENT_BY_ID: &str = r#"
+DELETE m FROM mail_queue AS m FORCE INDEX (PRIMARY)
+WHERE m.status = 'sent' AND m.processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+  AND m.id IN "#;
+
+const PURGE_FAILED_BY_ID: &str = r#"
+DELETE m FROM mail_queue AS m FORCE INDEX (PRIMARY)
+WHERE m.status IN ('failed', 'cancelled')
+  AND m.processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+  AND m.id IN "#;
+
 /// The history rows of rows RELEASE_STALE just released (an IN list of
 /// their ids follows).
 const STALE_EVENTS: &str = r#"
@@ -327,14 +342,15 @@ SET status = 'queued', thread_lock = NULL, locked_at = NULL,
     attempts = attempts - 1, attempts_remaining = attempts_remaining + 1
 WHERE thread_lock = ? AND status = 'sending'
 "#,
+    // Ids only: `MySql::purge` deletes them by id.
     purge_sent: r#"
-DELETE FROM mail_queue
+SELECT id FROM mail_queue
 WHERE status = 'sent' AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
 ORDER BY processed_at
 LIMIT ?
 "#,
     purge_failed: r#"
-DELETE FROM mail_queue
+SELECT id FROM mail_queue
 WHERE status IN ('failed', 'cancelled') AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
 ORDER BY processed_at
 LIMIT ?
@@ -580,6 +596,38 @@ impl Dialect for MySql {
         }
         tx.commit().await?;
         Ok(stale)
+    }
+
+    /// In two steps: the ids by a plain read, then the rows by id. A
+    /// `DELETE … WHERE status … ORDER BY processed_at LIMIT n` walks the
+    /// retention index locking, and the entry that ends its walk (for failed
+    /// rows the first queued row's) may be one a claim is stamping at that
+    /// moment: the claim, holding that row, waits for the entry, and the
+    /// purge, holding the entry, for the row (an InnoDB deadlock seen with
+    /// two daemons).
+    async fn purge(
+        c: &mut MySqlConnection,
+        kind: Finished,
+        older_than: i64,
+        limit: i64,
+    ) -> Result<Option<u64>, sqlx::Error> {
+        let (pick, delete) = match kind {
+            Finished::Sent => (QUERIES.purge_sent, PURGE_SENT_BY_ID),
+            Finished::FailedOrCancelled => (QUERIES.purge_failed, PURGE_FAILED_BY_ID),
+        };
+        let mut ids: Vec<i64> = sqlx::query_scalar(pick)
+            .bind(older_than)
+            .bind(limit)
+            .fetch_all(&mut *c)
+            .await?;
+        if ids.is_empty() {
+            return Ok(Some(0));
+        }
+        ids.sort_unstable();
+        let sql = format!("{delete}{}", in_list(ids.len()));
+        let statement = sqlx::query(AssertSqlSafe(sql)).bind(older_than);
+        let done = bind_ids(statement, &ids).execute(&mut *c).await?;
+        Ok(Some(done.rows_affected()))
     }
 
     async fn enqueue(

@@ -83,7 +83,9 @@ pub(crate) struct Queries {
     /// ($1 lock): the rows of a claim whose answer never came, back to
     /// `queued` with their attempt refunded.
     pub release_claim: &'static str,
-    /// ($1 older than, $2 limit), for each kind of finished row.
+    /// ($1 older than, $2 limit), for each kind of finished row: deletes
+    /// them, or, where the dialect deletes them its own way
+    /// ([`super::dialect::Dialect::purge`]), picks their ids.
     pub purge_sent: &'static str,
     pub purge_failed: &'static str,
     /// The columns of a [`MailRecord`] (without content), then ` FROM mail_queue `.

@@ -303,6 +303,9 @@ where
                 .shared
                 .run(|c| {
                     Box::pin(async move {
+                        if let Some(n) = D::purge(c, kind, older_than, left as i64).await? {
+                            return Ok(n);
+                        }
                         let done = sqlx::query(sql)
                             .bind(older_than)
                             .bind(left as i64)
