@@ -6,11 +6,12 @@
 
 use std::{future::Future, sync::Arc, time::Duration};
 
-use sqlx::{Database, Pool};
+use sqlx::Database;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
+    conns::Conns,
     shared::{Queries, Shared},
     Backend, BatchLock, ClaimBinds, Enqueued, Finalize, Finished, Maintenance, NewMail, QueuedMail,
     Result, StaleRow,
@@ -37,7 +38,7 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
 
     /// Where [`Dialect::claim`] runs: the shared pool, unless the database
     /// keeps connections of its own for claims.
-    fn claim_pool<'a>(&'a self, shared: &'a Shared<Self::DB>) -> &'a Pool<Self::DB> {
+    fn claim_pool<'a>(&'a self, shared: &'a Shared<Self::DB>) -> &'a Conns<Self::DB> {
         &shared.pool
     }
 

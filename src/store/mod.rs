@@ -19,7 +19,8 @@
 //! - [`error`]: [`StoreError`], by what to do about it.
 //! - `dialect`: what each database does its own way.
 //! - `sql_store`: the one `Store`, written once over any dialect.
-//! - `shared`: the deadline on every call, a dialect's pool and SQL.
+//! - `conns`: the pool, with the deadline on every call.
+//! - `shared`: a dialect's pool and SQL.
 //! - `rows`: decoding rows, encoding batches; `insert`: a new mail's INSERT.
 //! - `postgres`, `sqlite`, `mysql`: each database's SQL.
 
@@ -30,6 +31,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 mod claim;
+mod conns;
 mod dialect;
 mod error;
 mod finalize;

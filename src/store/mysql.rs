@@ -10,15 +10,16 @@
 //! read and deletes them by id. About 700 lines: its SQL, each
 //! statement with its reason.
 
-use std::{str::FromStr, time::Duration};
+use std::{str::FromStr, sync::Arc, time::Duration};
 
 use secrecy::ExposeSecret;
 use sqlx::{
-    mysql::{MySqlConnectOptions, MySqlConnection, MySqlPoolOptions},
+    mysql::{MySqlConnectOptions, MySqlConnection},
     AssertSqlSafe, ConnectOptions as _, Connection, Executor, FromRow, Row,
 };
 
 use super::{
+    conns::{Conns, Setup},
     dialect::{Dialect, SqlStore},
     finalize::{wire_chunks, STATEMENT_BUDGET},
     insert::{insert_attachments, insert_columns, insert_query},
@@ -55,20 +56,21 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<MyS
         .saturating_mul(4)
         .max(10);
     let session = format!("SET SESSION wait_timeout = {wait}");
-    let pool = MySqlPoolOptions::new()
-        .max_connections(options.max_connections)
-        .acquire_timeout(options.statement_timeout)
-        .idle_timeout(Duration::from_secs(wait / 2))
-        .after_connect(move |conn, _| {
-            let session = session.clone();
-            Box::pin(async move {
-                conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                    .await?;
-                conn.execute(AssertSqlSafe(session)).await?;
-                Ok(())
-            })
+    let setup: Setup<sqlx::MySql> = Arc::new(move |conn| {
+        let session = session.clone();
+        Box::pin(async move {
+            conn.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                .await?;
+            conn.execute(AssertSqlSafe(session)).await?;
+            Ok(())
         })
-        .connect_lazy_with(connect);
+    });
+    let pool = Conns::new(
+        connect,
+        options.max_connections,
+        Duration::from_secs(wait / 2),
+        Some(setup),
+    );
     Ok(SqlStore {
         shared: Shared::new::<MySql>(pool, options.statement_timeout, MYSQL, "BEGIN"),
         dialect: MySql,

@@ -8,7 +8,7 @@ use std::{str::FromStr, sync::Arc, time::Duration};
 
 use secrecy::ExposeSecret;
 use sqlx::{
-    postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions},
+    postgres::{PgConnectOptions, PgConnection, PgListener, PgPoolOptions},
     ConnectOptions as _, Executor, Row,
 };
 use tokio::sync::Notify;
@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
+    conns::{Conns, IDLE_TIMEOUT},
     dialect::{Dialect, SqlStore},
     finalize::{wire_chunks, FinalColumns, STATEMENT_BUDGET},
     insert::{self, Param},
@@ -36,7 +37,7 @@ pub(crate) struct Postgres {
     /// One connection, taken from `database.max_connections`, whose session
     /// plans once and without sorting or scanning a table whole (see
     /// [`CLAIM`]).
-    claims: PgPool,
+    claims: Conns<sqlx::Postgres>,
 }
 
 /// Builds the pool without connecting; the first query connects.
@@ -70,20 +71,24 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
         .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
     // Claims come one at a time from a daemon's claim loop: one connection
     // of the pool's number is theirs.
-    let pool = PgPoolOptions::new()
-        .max_connections(options.max_connections.saturating_sub(1).max(1))
-        .acquire_timeout(options.statement_timeout)
-        .connect_lazy_with(connect.clone());
+    let pool = Conns::new(
+        connect.clone(),
+        options.max_connections.saturating_sub(1),
+        IDLE_TIMEOUT,
+        None,
+    );
     // The claim's settings follow the shared ones in the startup options:
     // PostgreSQL applies them in order, so its `plan_cache_mode` wins.
-    let claims = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(options.statement_timeout)
-        .connect_lazy_with(connect.clone().options([
+    let claims = Conns::new(
+        connect.clone().options([
             ("plan_cache_mode", "force_generic_plan"),
             ("enable_sort", "off"),
             ("enable_seqscan", "off"),
-        ]));
+        ]),
+        1,
+        IDLE_TIMEOUT,
+        None,
+    );
     Ok(SqlStore {
         shared: Shared::new::<Postgres>(pool, options.statement_timeout, POSTGRES, "BEGIN"),
         dialect: Postgres {
@@ -436,7 +441,7 @@ impl Dialect for Postgres {
         rows::claimed(&rows, lock, rows::ClaimedText::Inline)
     }
 
-    fn claim_pool<'a>(&'a self, _: &'a Shared<sqlx::Postgres>) -> &'a PgPool {
+    fn claim_pool<'a>(&'a self, _: &'a Shared<sqlx::Postgres>) -> &'a Conns<sqlx::Postgres> {
         &self.claims
     }
 
@@ -677,7 +682,7 @@ async fn vacuum_if_needed(
 /// back within `deadline`, the listener is replaced.
 async fn listen(
     options: &PgConnectOptions,
-    pool: &PgPool,
+    pool: &Conns<sqlx::Postgres>,
     deadline: Duration,
     wake: &Notify,
     cancel: &CancellationToken,

@@ -1,13 +1,14 @@
-//! What every database shares: the deadline around every call ([`within`]),
-//! a dialect's pool with its migrations and SQL ([`Shared`]), and the list of
-//! that SQL ([`Queries`]), which `sql_store` binds and runs.
+//! What every database shares: a dialect's pool with its migrations and SQL
+//! ([`Shared`]), and the list of that SQL ([`Queries`]), which `sql_store`
+//! binds and runs.
 
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use sqlx::{migrate::Migrator, pool::PoolConnection, Database, Pool};
+use sqlx::{migrate::Migrator, Database};
 
-use super::{Result, StoreError};
+pub(crate) use super::conns::within;
+use super::{conns::Conns, Result};
 
 /// Milliseconds, for SQL interval arithmetic.
 pub(crate) fn millis(d: Duration) -> i64 {
@@ -17,32 +18,6 @@ pub(crate) fn millis(d: Duration) -> i64 {
 /// Microseconds, for MySQL's `INTERVAL … MICROSECOND`.
 pub(crate) fn micros(d: Duration) -> i64 {
     d.as_micros().min(i64::MAX as u128) as i64
-}
-
-/// Runs `work` on a pooled connection, all of it (waiting for a connection
-/// included) within `limit`. On timeout the connection is closed, not given
-/// back: sqlx would test it on its way back to the pool with a round-trip of
-/// its own, and on a silent network (packets dropped, no reset) that test
-/// never ends and holds a place in the pool for good.
-pub(crate) async fn within<DB, T>(
-    pool: &Pool<DB>,
-    limit: Duration,
-    work: impl for<'c> FnOnce(&'c mut DB::Connection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
-) -> Result<T>
-where
-    DB: Database,
-{
-    let deadline = tokio::time::Instant::now() + limit;
-    let mut conn: PoolConnection<DB> = tokio::time::timeout_at(deadline, pool.acquire())
-        .await
-        .map_err(|_| StoreError::Timeout(limit))??;
-    match tokio::time::timeout_at(deadline, work(&mut conn)).await {
-        Ok(result) => Ok(result?),
-        Err(_) => {
-            conn.close_on_drop();
-            Err(StoreError::Timeout(limit))
-        }
-    }
 }
 
 /// The SQL of the operations every backend shares. Parameters come in the
@@ -131,7 +106,7 @@ LIMIT 10
 
 /// A backend's pool with what the shared operations need to know of it.
 pub(crate) struct Shared<DB: Database> {
-    pub pool: Pool<DB>,
+    pub pool: Conns<DB>,
     /// `database.statement_timeout`.
     pub deadline: Duration,
     pub queries: &'static Queries,
@@ -146,7 +121,7 @@ pub(crate) struct Shared<DB: Database> {
 impl<DB: Database> Shared<DB> {
     /// A dialect's pool, with its SQL and its migrations.
     pub fn new<D: super::dialect::Dialect<DB = DB>>(
-        pool: Pool<DB>,
+        pool: Conns<DB>,
         deadline: Duration,
         migrations: &'static [(i64, &'static str, &'static str)],
         begin_write: &'static str,

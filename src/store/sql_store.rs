@@ -12,9 +12,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
+    conns::within,
     dialect::{Dialect, SqlStore},
     rows::{bind_all, list_conditions, lookup_condition, Bind, RowsAffected, SummaryRow},
-    shared::within,
     Attachment, Backend, BatchLock, Claim, DaemonBeat, DaemonRow, Enqueued, EventOutcome,
     FailureGroup, Finalize, Finished, MailContent, MailFilter, MailLookup, MailRecord, MailSummary,
     Maintenance, MinuteCount, NewMail, QueueStats, QueuedMail, Result, RetrySelection, StaleRow,
@@ -114,8 +114,10 @@ where
     async fn migrate(&self) -> Result<()> {
         // No deadline: a migration may rewrite a large table; sqlx holds a
         // lock so that daemons starting together apply it once.
-        self.shared.migrator.run(&self.shared.pool).await?;
-        Ok(())
+        let pool = self.shared.pool.one_off(self.shared.deadline);
+        let applied = self.shared.migrator.run(&pool).await;
+        let _ = tokio::time::timeout(self.shared.deadline, pool.close()).await;
+        Ok(applied?)
     }
 
     async fn ping(&self) -> Result<()> {

@@ -8,16 +8,14 @@
 use std::{str::FromStr, sync::Arc, time::Duration};
 
 use sqlx::{
-    sqlite::{
-        SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions,
-        SqliteSynchronous,
-    },
+    sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqliteSynchronous},
     ConnectOptions as _, Connection, FromRow, Row,
 };
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
+    conns::{Conns, IDLE_TIMEOUT},
     dialect::{Dialect, SqlStore},
     insert::{self, Param},
     migrations::SQLITE,
@@ -46,10 +44,7 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Sql
         .foreign_keys(true)
         .log_statements(tracing::log::LevelFilter::Trace)
         .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
-    let pool = SqlitePoolOptions::new()
-        .max_connections(options.max_connections)
-        .acquire_timeout(options.statement_timeout)
-        .connect_lazy_with(connect.clone());
+    let pool = Conns::new(connect.clone(), options.max_connections, IDLE_TIMEOUT, None);
     // IMMEDIATE: a transaction that writes takes the write lock first, so it
     // never has to upgrade a read snapshot (which SQLite refuses when busy).
     Ok(SqlStore {
@@ -498,7 +493,7 @@ mod tests {
         let url = format!("sqlite://{}", dir.join("plan.db").display());
         let store = connect(&url, ConnectOptions::new(1)).unwrap();
         crate::store::Store::migrate(&store).await.unwrap();
-        let mut conn = store.shared.pool.acquire().await.unwrap();
+        let mut conn = store.shared.pool.connection_for_test().await;
         for sql in [
             "ANALYZE",
             "DELETE FROM sqlite_stat1 WHERE tbl = 'mail_queue'",
@@ -507,13 +502,13 @@ mod tests {
             // Loads the statistics into this connection's planner.
             "ANALYZE sqlite_schema",
         ] {
-            sqlx::query(sql).execute(&mut *conn).await.unwrap();
+            sqlx::query(sql).execute(&mut conn).await.unwrap();
         }
         for (name, sql) in [("FINALIZE", FINALIZE), ("RENEW", RENEW)] {
             let explain = format!("EXPLAIN QUERY PLAN {sql}");
             let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(explain))
                 .bind("[]")
-                .fetch_all(&mut *conn)
+                .fetch_all(&mut conn)
                 .await
                 .unwrap()
                 .iter()

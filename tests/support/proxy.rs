@@ -3,7 +3,9 @@
 //! go silent in both directions (no reset, no close: packets seem to vanish,
 //! as with a lost NAT entry or a failed-over address), while new connections
 //! work as before; `set_down(true)` also closes every new connection at once
-//! (the server is unreachable) until `set_down(false)`. For a failover,
+//! (the server is unreachable) until `set_down(false)`; `set_silent(true)`
+//! also leaves every new connection unanswered (the server's host stopped
+//! answering) until `set_silent(false)`. For a failover,
 //! `set_upstream` sends new connections to another server and `close_all`
 //! closes the open ones (both sides see the connection end), as a moved
 //! virtual address does.
@@ -30,6 +32,8 @@ pub struct Proxy {
     upstream: Arc<AtomicU16>,
     /// New connections are closed at once.
     down: Arc<std::sync::atomic::AtomicBool>,
+    /// New connections are accepted and never answered.
+    silent: Arc<std::sync::atomic::AtomicBool>,
     /// Silent connections are kept open here until the proxy goes away.
     graveyard: Arc<Mutex<Vec<TcpStream>>>,
     task: JoinHandle<()>,
@@ -46,15 +50,17 @@ impl Proxy {
         let upstream = Arc::new(AtomicU16::new(target_port));
         let graveyard = Arc::new(Mutex::new(Vec::new()));
         let down = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let silent = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let cut = Cut {
             silenced_before: silenced_before.clone(),
             closed_before: closed_before.clone(),
         };
-        let (count, target, graves, is_down) = (
+        let (count, target, graves, is_down, is_silent) = (
             accepted.clone(),
             upstream.clone(),
             graveyard.clone(),
             down.clone(),
+            silent.clone(),
         );
         let task = tokio::spawn(async move {
             loop {
@@ -63,6 +69,10 @@ impl Proxy {
                 };
                 if is_down.load(Ordering::SeqCst) {
                     drop(client);
+                    continue;
+                }
+                if is_silent.load(Ordering::SeqCst) {
+                    graves.lock().unwrap().push(client);
                     continue;
                 }
                 let number = count.fetch_add(1, Ordering::SeqCst);
@@ -83,6 +93,7 @@ impl Proxy {
             accepted,
             upstream,
             down,
+            silent,
             graveyard,
             task,
         }
@@ -95,6 +106,17 @@ impl Proxy {
             self.blackhole();
         }
         self.down.store(down, Ordering::SeqCst);
+    }
+
+    /// Silent: every open connection goes silent and new ones are accepted
+    /// and never answered. Not silent again: new connections work.
+    pub fn set_silent(&self, silent: bool) {
+        if silent {
+            self.silent.store(true, Ordering::SeqCst);
+            self.blackhole();
+        } else {
+            self.silent.store(false, Ordering::SeqCst);
+        }
     }
 
     /// Every connection open now goes silent.
