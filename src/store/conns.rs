@@ -16,6 +16,12 @@
 //! connections, made on demand (lazily), the most recently used taken first;
 //! one idle for more than [`TEST_IF_IDLE`] tested before use; idle ones
 //! closed after `idle_timeout`, any after [`MAX_LIFETIME`].
+//!
+//! SQLite's connections are threads of this process ([`Reach::InProcess`]):
+//! nothing between can go silent, and a dropped transaction's ROLLBACK goes
+//! to the thread at once, so neither test is made there (the caller would
+//! wait for the one on the way back for nothing: SQLite's drain was slower
+//! with it).
 
 use std::{
     sync::{Arc, Mutex},
@@ -56,6 +62,15 @@ pub(crate) type Setup<DB> = Arc<
 
 type Options<DB> = <<DB as Database>::Connection as Connection>::Options;
 
+/// Where the database is.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Reach {
+    /// Over a network connection: connections are tested (see the module).
+    Network,
+    /// In this process (SQLite): no test.
+    InProcess,
+}
+
 /// A pool of connections to one database (cheap to clone: the clones share
 /// it).
 pub(crate) struct Conns<DB: Database> {
@@ -81,6 +96,7 @@ struct Inner<DB: Database> {
     /// Oldest first; taken from the back.
     idle: Mutex<Vec<Pooled<DB>>>,
     idle_timeout: Duration,
+    reach: Reach,
 }
 
 struct Pooled<DB: Database> {
@@ -93,6 +109,7 @@ impl<DB: Database> Conns<DB> {
     /// A pool of at most `max` connections, none made yet.
     pub fn new(
         options: Options<DB>,
+        reach: Reach,
         max: u32,
         idle_timeout: Duration,
         setup: Option<Setup<DB>>,
@@ -105,6 +122,7 @@ impl<DB: Database> Conns<DB> {
                 slots: Arc::new(Semaphore::new(max)),
                 idle: Mutex::new(Vec::new()),
                 idle_timeout,
+                reach,
             }),
         }
     }
@@ -168,7 +186,8 @@ impl<DB: Database> Conns<DB> {
                     },
                 ));
             };
-            if conn.idle_since.elapsed() < TEST_IF_IDLE
+            if self.inner.reach == Reach::InProcess
+                || conn.idle_since.elapsed() < TEST_IF_IDLE
                 || matches!(
                     tokio::time::timeout(limit / 4, conn.raw.ping()).await,
                     Ok(Ok(()))
@@ -194,7 +213,12 @@ impl<DB: Database> Conns<DB> {
     ) {
         if conn.born.elapsed() >= MAX_LIFETIME {
             retire::<DB>(conn);
-        } else if let Ok(Ok(())) = tokio::time::timeout_at(deadline, conn.raw.ping()).await {
+        } else if self.inner.reach == Reach::InProcess
+            || matches!(
+                tokio::time::timeout_at(deadline, conn.raw.ping()).await,
+                Ok(Ok(()))
+            )
+        {
             conn.idle_since = Instant::now();
             self.inner.idle.lock().expect("idle list").push(conn);
         }
@@ -336,7 +360,10 @@ mod tests {
         let upstream = (options.get_host().to_string(), options.get_port());
         let silencer = Silencer::start(upstream).await;
         let options = options.host("127.0.0.1").port(silencer.port);
-        Some((Conns::new(options, 1, IDLE_TIMEOUT, None), silencer))
+        Some((
+            Conns::new(options, Reach::Network, 1, IDLE_TIMEOUT, None),
+            silencer,
+        ))
     }
 
     async fn select(conns: &Conns<Postgres>, limit: Duration, n: i32) -> Result<i32> {

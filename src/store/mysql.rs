@@ -19,7 +19,7 @@ use sqlx::{
 };
 
 use super::{
-    conns::{Conns, Setup},
+    conns::{Conns, Reach, Setup},
     dialect::{Dialect, SqlStore},
     finalize::{wire_chunks, STATEMENT_BUDGET},
     insert::{insert_attachments, insert_columns, insert_query},
@@ -67,6 +67,7 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<MyS
     });
     let pool = Conns::new(
         connect,
+        Reach::Network,
         options.max_connections,
         Duration::from_secs(wait / 2),
         Some(setup),

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    conns::{Conns, IDLE_TIMEOUT},
+    conns::{Conns, Reach, IDLE_TIMEOUT},
     dialect::{Dialect, SqlStore},
     finalize::{wire_chunks, FinalColumns, STATEMENT_BUDGET},
     insert::{self, Param},
@@ -73,6 +73,7 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
     // of the pool's number is theirs.
     let pool = Conns::new(
         connect.clone(),
+        Reach::Network,
         options.max_connections.saturating_sub(1),
         IDLE_TIMEOUT,
         None,
@@ -85,6 +86,7 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
             ("enable_sort", "off"),
             ("enable_seqscan", "off"),
         ]),
+        Reach::Network,
         1,
         IDLE_TIMEOUT,
         None,

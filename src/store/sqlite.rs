@@ -15,7 +15,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    conns::{Conns, IDLE_TIMEOUT},
+    conns::{Conns, Reach, IDLE_TIMEOUT},
     dialect::{Dialect, SqlStore},
     insert::{self, Param},
     migrations::SQLITE,
@@ -44,7 +44,13 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Sql
         .foreign_keys(true)
         .log_statements(tracing::log::LevelFilter::Trace)
         .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(1));
-    let pool = Conns::new(connect.clone(), options.max_connections, IDLE_TIMEOUT, None);
+    let pool = Conns::new(
+        connect.clone(),
+        Reach::InProcess,
+        options.max_connections,
+        IDLE_TIMEOUT,
+        None,
+    );
     // IMMEDIATE: a transaction that writes takes the write lock first, so it
     // never has to upgrade a read snapshot (which SQLite refuses when busy).
     Ok(SqlStore {
