@@ -143,12 +143,6 @@ impl<DB: Database> Conns<DB> {
             .connect_lazy_with(self.inner.options.clone())
     }
 
-    /// A connection of the pool's settings, outside it.
-    #[cfg(test)]
-    pub async fn connection_for_test(&self) -> DB::Connection {
-        self.inner.options.connect().await.expect("connect")
-    }
-
     /// A connection, and the place in the pool it holds: an idle one (tested
     /// first if it sat for a while, the test given a quarter of `limit` so
     /// that a silent one leaves time to connect anew) or a new one. The
@@ -257,20 +251,14 @@ where
     let (permit, mut conn) = tokio::time::timeout_at(deadline, conns.take(limit))
         .await
         .map_err(|_| StoreError::Timeout(limit))??;
-    match tokio::time::timeout_at(deadline, work(&mut conn.raw)).await {
-        Ok(Ok(value)) => {
-            conns.give_back(permit, conn, deadline).await;
-            Ok(value)
-        }
-        Ok(Err(e)) => {
-            if reusable(&e) {
-                conns.give_back(permit, conn, deadline).await;
-            }
-            Err(e.into())
-        }
+    let Ok(result) = tokio::time::timeout_at(deadline, work(&mut conn.raw)).await else {
         // Dropped with its socket, unread answers and all.
-        Err(_) => Err(StoreError::Timeout(limit)),
+        return Err(StoreError::Timeout(limit));
+    };
+    if result.as_ref().map_or_else(reusable, |_| true) {
+        conns.give_back(permit, conn, deadline).await;
     }
+    Ok(result?)
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::{
-    conns::{Conns, Reach, IDLE_TIMEOUT},
+    conns::{within, Conns, Reach, IDLE_TIMEOUT},
     dialect::{Dialect, SqlStore},
     finalize::{wire_chunks, FinalColumns, STATEMENT_BUDGET},
     insert::{self, Param},
@@ -518,7 +518,7 @@ impl Dialect for Postgres {
     async fn maintain(&self, shared: &Shared<sqlx::Postgres>) -> Result<Option<Maintenance>> {
         // VACUUM of a large table takes its time: a deadline of its own.
         let limit = shared.deadline.max(Duration::from_secs(600));
-        shared::within(&shared.pool, limit, |c| Box::pin(vacuum_if_needed(c))).await
+        within(&shared.pool, limit, |c| Box::pin(vacuum_if_needed(c))).await
     }
 
     fn spawn_wakeup_listener(
@@ -717,7 +717,7 @@ async fn listen(
             _ = tokio::time::sleep_until(next_beat), if beat_sent.is_none() => {
                 next_beat = tokio::time::Instant::now() + every;
                 let channel = heartbeat.clone();
-                shared::within(pool, deadline, |c| {
+                within(pool, deadline, |c| {
                     Box::pin(async move { sqlx::query(NOTIFY).bind(channel).execute(&mut *c).await.map(|_| ()) })
                 })
                 .await?;

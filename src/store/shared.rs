@@ -7,8 +7,10 @@ use std::time::Duration;
 use futures_util::future::BoxFuture;
 use sqlx::{migrate::Migrator, Database};
 
-pub(crate) use super::conns::within;
-use super::{conns::Conns, Result};
+use super::{
+    conns::{within, Conns},
+    Result,
+};
 
 /// Milliseconds, for SQL interval arithmetic.
 pub(crate) fn millis(d: Duration) -> i64 {

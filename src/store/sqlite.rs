@@ -499,7 +499,7 @@ mod tests {
         let url = format!("sqlite://{}", dir.join("plan.db").display());
         let store = connect(&url, ConnectOptions::new(1)).unwrap();
         crate::store::Store::migrate(&store).await.unwrap();
-        let mut conn = store.shared.pool.connection_for_test().await;
+        let mut conn = store.dialect.options.connect().await.unwrap();
         for sql in [
             "ANALYZE",
             "DELETE FROM sqlite_stat1 WHERE tbl = 'mail_queue'",
