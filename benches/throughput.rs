@@ -1026,8 +1026,10 @@ async fn pickup(db: &BenchDb, sink: &Sink, samples: usize) -> (Vec<f64>, f64) {
     let mut inserts = Vec::with_capacity(samples);
     let already = sink.messages();
     for i in 0..samples {
-        // Let the daemon go idle between samples.
-        tokio::time::sleep(Duration::from_millis(15 + (i % 7) as u64)).await;
+        // Let the daemon go idle between samples, for 15 to 45 ms in no
+        // fixed rhythm, so that the inserts fall anywhere in a watcher's or
+        // poller's interval.
+        tokio::time::sleep(Duration::from_millis(15 + (i * 13 % 31) as u64)).await;
         let before = unix_now();
         db.exec(&format!(
             "INSERT INTO mail_queue (to_address, subject, body) VALUES ('lat{i}@example.com', 'latency {i}', 'x')"

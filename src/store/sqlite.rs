@@ -2,10 +2,20 @@
 //! claim that is a single `UPDATE … WHERE id IN (SELECT … LIMIT n) RETURNING`
 //! statement, followed by a read of the text columns of the rows it took.
 //! SQLite runs one writer at a time, so two daemons on one file can never
-//! claim the same row. There is no NOTIFY: a watcher polls
-//! `PRAGMA data_version`, which changes when any other connection commits.
+//! claim the same row. There is no NOTIFY: a watcher reads
+//! `PRAGMA data_version`, which changes when any other connection commits,
+//! whenever the kernel reports a write to the file or its WAL, and every
+//! 25 ms in any case.
 
-use std::{str::FromStr, sync::Arc, time::Duration};
+use std::{
+    path::Path,
+    str::FromStr,
+    sync::{
+        atomic::{AtomicU32, Ordering},
+        Arc,
+    },
+    time::Duration,
+};
 
 use sqlx::{
     sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqliteSynchronous},
@@ -25,8 +35,13 @@ use super::{
     QueuedMail, Result, StaleRow,
 };
 
-/// How often the watcher looks for commits of other connections.
+/// How often the watcher looks for commits of other connections when the
+/// kernel has reported no write.
 const WATCH_EVERY: Duration = Duration::from_millis(25);
+
+/// How many more looks, a millisecond apart, the watcher takes after the
+/// kernel reports a write to the file, until it sees a commit.
+const LOOKS_AFTER_A_WRITE: u32 = 5;
 
 /// SQLite's own ways; it keeps the connect options for the watcher's
 /// connection.
@@ -452,36 +467,161 @@ impl Dialect for Sqlite {
         wake: Arc<Notify>,
         cancel: CancellationToken,
     ) -> Option<&'static str> {
-        let options = self.options.clone();
-        tokio::spawn(async move {
-            let mut conn: Option<SqliteConnection> = None;
-            let mut last: Option<i64> = None;
-            loop {
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(WATCH_EVERY) => {}
+        tokio::spawn(watch_commits(
+            self.options.clone(),
+            WATCH_EVERY,
+            wake,
+            cancel,
+        ));
+        Some("data_version")
+    }
+}
+
+/// Wakes `wake` whenever another connection (another process's, or this
+/// daemon's own pool's) has committed to the file: it reads `PRAGMA
+/// data_version` every `every`, and, when the kernel reports a write to the
+/// file or its WAL, at once and then every millisecond for a few
+/// milliseconds after the last write (a commit becomes visible a moment
+/// after its last write to the WAL, when the writer updates the WAL's shared
+/// index, which the kernel does not report). A file system whose writes the
+/// kernel does not report (a network or shared-folder mount) is still looked
+/// at every `every`.
+async fn watch_commits(
+    options: SqliteConnectOptions,
+    every: Duration,
+    wake: Arc<Notify>,
+    cancel: CancellationToken,
+) {
+    let written = Arc::new(Notify::new());
+    // Kept for as long as the loop runs: dropping it stops the watch.
+    let mut watch = FileWatch::start(options.get_filename(), written.clone());
+    // Not reset by reports of writes: a look every `every` whatever happens.
+    let mut looks = tokio::time::interval(every);
+    looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut conn: Option<SqliteConnection> = None;
+    let mut last: Option<i64> = None;
+    let mut at_last_tick: Option<i64> = None;
+    let mut soon = 0u32;
+    loop {
+        let mut ticked = false;
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = written.notified() => soon = LOOKS_AFTER_A_WRITE,
+            _ = looks.tick() => ticked = true,
+            _ = tokio::time::sleep(Duration::from_millis(1)), if soon > 0 => soon -= 1,
+        }
+        if conn.is_none() {
+            conn = options.connect().await.ok();
+        }
+        let Some(c) = conn.as_mut() else { continue };
+        match sqlx::query_scalar::<_, i64>("PRAGMA data_version")
+            .fetch_one(&mut *c)
+            .await
+        {
+            Ok(version) => {
+                // The first reading wakes too: anything may have been
+                // committed before the watcher was watching.
+                if last != Some(version) {
+                    wake.notify_one();
+                    soon = 0;
                 }
-                if conn.is_none() {
-                    conn = options.connect().await.ok();
-                }
-                let Some(c) = conn.as_mut() else { continue };
-                match sqlx::query_scalar::<_, i64>("PRAGMA data_version")
-                    .fetch_one(&mut *c)
-                    .await
-                {
-                    Ok(version) => {
-                        // The first reading wakes too: anything may have been
-                        // committed before the watcher was watching.
-                        if last != Some(version) {
-                            wake.notify_one();
-                        }
-                        last = Some(version);
+                last = Some(version);
+                if ticked {
+                    if let Some(w) = watch.as_mut() {
+                        w.pace(at_last_tick == Some(version));
                     }
-                    Err(_) => conn = None,
+                    at_last_tick = Some(version);
                 }
             }
+            Err(_) => conn = None,
+        }
+    }
+}
+
+/// The kernel's reports of writes to the database file and its WAL (a
+/// commit appends to the WAL in WAL mode, writes the file itself otherwise),
+/// each one notifying `written`. The directory is watched, not the files, so
+/// that a WAL made again after the last connection removed it is still seen.
+///
+/// While the file is written fast (the daemon draining a backlog writes
+/// thousands of pages a second, and each write would be a report to read),
+/// the watch is stopped: the claim loop is busy then and the watcher's
+/// interval is enough. It starts again once an interval passes with no
+/// commit.
+struct FileWatch {
+    watcher: notify::RecommendedWatcher,
+    dir: std::path::PathBuf,
+    /// Reports since the last interval.
+    reports: Arc<AtomicU32>,
+    on: bool,
+}
+
+/// More reports than this in one interval stop the watch.
+const BUSY_REPORTS: u32 = 200;
+
+impl FileWatch {
+    /// None when the file system or the process's limits allow no watch
+    /// (said in a warning): the caller still looks at its interval.
+    fn start(db: &Path, written: Arc<Notify>) -> Option<FileWatch> {
+        use notify::{EventKind, RecursiveMode, Watcher as _};
+        let db = std::fs::canonicalize(db).ok()?;
+        let dir = db.parent()?.to_path_buf();
+        let name = db.file_name()?.to_os_string();
+        let mut wal = name.clone();
+        wal.push("-wal");
+        let reports = Arc::new(AtomicU32::new(0));
+        let counted = reports.clone();
+        let started = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            let Ok(event) = event else { return };
+            if !matches!(event.kind, EventKind::Modify(_) | EventKind::Create(_)) {
+                return;
+            }
+            let ours = event
+                .paths
+                .iter()
+                .any(|p| p.file_name().is_some_and(|n| n == name || n == wal));
+            if ours {
+                counted.fetch_add(1, Ordering::Relaxed);
+                written.notify_one();
+            }
+        })
+        .and_then(|mut watcher| {
+            watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+            Ok(watcher)
         });
-        Some("data_version")
+        match started {
+            Ok(watcher) => Some(FileWatch {
+                watcher,
+                dir,
+                reports,
+                on: true,
+            }),
+            Err(e) => {
+                tracing::warn!(
+                    error = %e,
+                    every_ms = WATCH_EVERY.as_millis() as u64,
+                    "cannot watch the database file for commits; looking for them at an interval"
+                );
+                None
+            }
+        }
+    }
+
+    /// At each interval: stops the watch when the file was written fast,
+    /// starts it again when no commit came in the interval (`quiet`). Each
+    /// is a short call to the watch's own thread (microseconds), at most once
+    /// an interval.
+    fn pace(&mut self, quiet: bool) {
+        use notify::{RecursiveMode, Watcher as _};
+        let reports = self.reports.swap(0, Ordering::Relaxed);
+        if self.on && reports > BUSY_REPORTS {
+            self.on = self.watcher.unwatch(&self.dir).is_err();
+        } else if !self.on && quiet {
+            self.on = self
+                .watcher
+                .watch(&self.dir, RecursiveMode::NonRecursive)
+                .is_ok();
+        }
     }
 }
 
@@ -528,6 +668,108 @@ mod tests {
             );
         }
         drop(conn);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    /// A commit of another process wakes the daemon when the kernel reports
+    /// the write, not at the watcher's next look: with a look only every
+    /// hour, an insert must still wake it.
+    #[tokio::test]
+    async fn a_commit_to_the_file_wakes_the_daemon_without_waiting_for_a_look() {
+        let dir = std::env::temp_dir().join(format!("tablemail-watch-{}", Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}", dir.join("watch.db").display());
+        let store = connect(&url, ConnectOptions::new(1)).unwrap();
+        crate::store::Store::migrate(&store).await.unwrap();
+        let wake = Arc::new(Notify::new());
+        let cancel = CancellationToken::new();
+        let watcher = tokio::spawn(watch_commits(
+            store.dialect.options.clone(),
+            Duration::from_secs(3600),
+            wake.clone(),
+            cancel.clone(),
+        ));
+        let deadline = Duration::from_secs(10);
+        // The first reading wakes: rows may have come before the watch.
+        tokio::time::timeout(deadline, wake.notified())
+            .await
+            .expect("the watcher's first reading wakes the daemon");
+        let mut other = store.dialect.options.connect().await.unwrap();
+        for i in 0..3 {
+            let armed = wake.notified();
+            tokio::pin!(armed);
+            armed.as_mut().enable();
+            sqlx::query(
+                "INSERT INTO mail_queue (to_address, subject, body) VALUES ('a@example.com', 'Hi', 'Hello')",
+            )
+            .execute(&mut other)
+            .await
+            .unwrap();
+            tokio::time::timeout(deadline, armed)
+                .await
+                .unwrap_or_else(|_| {
+                    panic!("insert {i} did not wake the daemon within {deadline:?}")
+                });
+        }
+        cancel.cancel();
+        watcher.await.unwrap();
+        drop(other);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A burst of writes stops the watch (the daemon draining a backlog would
+    /// otherwise read a report for every page it writes); an interval
+    /// without commits starts it again, and a commit is reported at once.
+    #[tokio::test]
+    async fn the_watch_stops_while_the_file_is_written_fast_and_starts_again_when_quiet() {
+        let dir = std::env::temp_dir().join(format!("tablemail-busy-{}", Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}", dir.join("busy.db").display());
+        let store = connect(&url, ConnectOptions::new(1)).unwrap();
+        crate::store::Store::migrate(&store).await.unwrap();
+        let written = Arc::new(Notify::new());
+        let mut watch = FileWatch::start(store.dialect.options.get_filename(), written.clone())
+            .expect("the file can be watched here");
+        let mut other = store.dialect.options.connect().await.unwrap();
+        let insert =
+            "INSERT INTO mail_queue (to_address, subject, body) VALUES ('a@example.com', 'Hi', ?)";
+        let body = "x".repeat(3000);
+        // A backlog of 2,000 mails arriving one commit at a time.
+        for _ in 0..2000 {
+            sqlx::query(insert)
+                .bind(&body)
+                .execute(&mut other)
+                .await
+                .unwrap();
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while watch.reports.load(Ordering::Relaxed) <= BUSY_REPORTS {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "only {} reports of 2,000 commits",
+                watch.reports.load(Ordering::Relaxed)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        watch.pace(false);
+        assert!(!watch.on, "a burst of writes stops the watch");
+        watch.pace(false);
+        assert!(!watch.on, "an interval with commits keeps it stopped");
+        watch.pace(true);
+        assert!(watch.on, "an interval without commits starts it again");
+        // A report of the burst left waiting is not the one looked for.
+        let _ = tokio::time::timeout(Duration::ZERO, written.notified()).await;
+        let armed = written.notified();
+        tokio::pin!(armed);
+        armed.as_mut().enable();
+        sqlx::query(insert)
+            .bind("one more")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), armed)
+            .await
+            .expect("a commit after the quiet interval is reported");
+        drop(other);
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
