@@ -739,6 +739,19 @@ impl Daemon {
         }
     }
 
+    /// How the daemon said it notices new rows (`wakeup` of its `worker
+    /// started` line: `notify`, `data_version`, `newest_id`, `poll`).
+    fn wakeup(&self) -> String {
+        let f = std::fs::File::open(&self.log).unwrap();
+        BufReader::new(f)
+            .lines()
+            .map_while(Result::ok)
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(&l).ok())
+            .find(|l| l["message"] == "worker started")
+            .and_then(|l| l["wakeup"].as_str().map(str::to_string))
+            .unwrap_or_else(|| "?".into())
+    }
+
     /// Log lines whose message starts with `message`.
     fn count(&self, message: &str) -> usize {
         let f = std::fs::File::open(&self.log).unwrap();
@@ -1053,13 +1066,15 @@ async fn pickup(db: &BenchDb, sink: &Sink, samples: usize) -> (Vec<f64>, f64) {
 }
 
 struct Latency {
+    /// The daemon's `wakeup`.
+    how: String,
     notify: Vec<f64>,
     insert_ms: f64,
     polled: Vec<f64>,
 }
 
 /// Pickup latency into an idle daemon: with its wake-up (NOTIFY on
-/// PostgreSQL, `data_version` on SQLite, polling on MariaDB), then, on
+/// PostgreSQL, `data_version` on SQLite, the newest id on MariaDB), then, on
 /// PostgreSQL, by polling alone.
 async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
     let db = BenchDb::create(setup.target, setup.tablemail, setup.dir).await;
@@ -1073,6 +1088,7 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
     ];
     env.extend(setup.env.iter().cloned());
     let daemon = Daemon::start(setup.tablemail, setup.dir, "latency", &env);
+    let how = daemon.wakeup();
     // Warm the connection pools on both sides.
     pickup(&db, &sink, 5).await;
     let (notify, insert_ms) = pickup(&db, &sink, samples).await;
@@ -1087,6 +1103,7 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
     daemon.stop();
     db.drop_db().await;
     Latency {
+        how,
         notify,
         insert_ms,
         polled,
@@ -1377,11 +1394,9 @@ async fn main() {
     if opts.latency {
         let l = latency(&setup, opts.samples).await;
         let ms = |v: &[f64]| format!("{:.2} / {:.2} ms", percentile(v, 0.5), percentile(v, 0.99));
-        // MariaDB has no wake-up: its daemons find new rows by polling.
-        let how = if backend == Backend::Mysql {
-            "polling 1s, no wake-up on MariaDB"
-        } else {
-            "wake-up"
+        let how = match l.how.as_str() {
+            "poll" => "polling 1s, no wake-up".to_string(),
+            how => format!("wake-up: {how}"),
         };
         line(
             format!("pickup p50 / p99, {how} ({} samples)", l.notify.len()),

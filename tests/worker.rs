@@ -4,6 +4,8 @@
 
 mod support;
 
+use std::time::Duration;
+
 use support::*;
 use tablemail::store::NewMail;
 
@@ -18,6 +20,7 @@ for_each_backend!(
     dedupe_key_inserts_once,
     bad_input_fails_without_an_smtp_session,
     many_mails_each_received_exactly_once,
+    an_idle_daemon_wakes_for_an_insert,
 );
 
 async fn delivers_one_correct_message(db: TestDb) {
@@ -386,4 +389,38 @@ async fn many_mails_each_received_exactly_once(db: TestDb) {
     expected.sort();
     assert_eq!(subjects, expected);
     assert_eq!(db.count("status = 'sent' AND attempts = 1").await, 300);
+}
+
+/// An idle daemon notices a new row at once (NOTIFY on PostgreSQL, a write
+/// to the file on SQLite, a new newest id on MariaDB), not at its next poll:
+/// with a poll interval of a minute, a mail inserted into an idle daemon is
+/// still sent within seconds, and the daemon says how it notices new rows.
+async fn an_idle_daemon_wakes_for_an_insert(db: TestDb) {
+    let smtp = SmtpServer::start(&[]);
+    let mut daemon = Daemon::start(daemon_env(
+        &db,
+        &smtp.url(),
+        &[("TABLEMAIL__WORKER__POLL_INTERVAL", "60s")],
+    ));
+    let started = daemon
+        .wait_for_log("worker started", Duration::from_secs(20))
+        .await;
+    assert_ne!(started["wakeup"], "poll", "{started}");
+    let insert = |i: usize| {
+        format!("INSERT INTO mail_queue (to_address, subject, body) VALUES ('a{i}@example.com', 'mail {i}', 'Hello')")
+    };
+    // The first may come before the daemon's first claim; once it is sent,
+    // the daemon is idle and only its wake-up can find the next ones.
+    for i in 0..3 {
+        db.exec(&insert(i)).await;
+        eventually(
+            &format!("mail {i} sent by an idle daemon polling once a minute"),
+            Duration::from_secs(10),
+            || async { smtp.received().len() > i },
+        )
+        .await;
+    }
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(20)).await, 0);
+    assert_eq!(db.count("status = 'sent'").await, 3);
 }
