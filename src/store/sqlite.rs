@@ -21,7 +21,7 @@ use sqlx::{
     sqlite::{SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqliteSynchronous},
     ConnectOptions as _, Connection, FromRow, Row,
 };
-use tokio::sync::Notify;
+use tokio::{sync::Notify, time::Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::{
@@ -42,6 +42,47 @@ const WATCH_EVERY: Duration = Duration::from_millis(25);
 /// How many more looks, a millisecond apart, the watcher takes after the
 /// kernel reports a write to the file, until it sees a commit.
 const LOOKS_AFTER_A_WRITE: u32 = 5;
+
+/// The watcher's wake-ups of the daemon: eight at once, then one more every
+/// 10 ms, so that an application that commits to its own tables in the same
+/// file thousands of times a second costs the daemon at most a hundred
+/// (empty) claims a second. Each mail inserted one at a time takes three
+/// (the insert, and the daemon's own claim and outcome that follow it), so
+/// inserts a few tens of milliseconds apart each still wake it at once. A
+/// commit seen with none left wakes the daemon when the next comes back.
+struct WakeBudget {
+    left: u32,
+    /// When the last one came back (or the budget was last full).
+    since: Instant,
+}
+
+const WAKE_BURST: u32 = 8;
+const WAKE_REFILL: Duration = Duration::from_millis(10);
+
+impl WakeBudget {
+    fn new(now: Instant) -> WakeBudget {
+        WakeBudget {
+            left: WAKE_BURST,
+            since: now,
+        }
+    }
+
+    /// Takes a wake-up, or says when the next one comes back.
+    fn take(&mut self, now: Instant) -> Result<(), Instant> {
+        while self.left < WAKE_BURST && now >= self.since + WAKE_REFILL {
+            self.left += 1;
+            self.since += WAKE_REFILL;
+        }
+        if self.left == WAKE_BURST {
+            self.since = now;
+        }
+        if self.left == 0 {
+            return Err(self.since + WAKE_REFILL);
+        }
+        self.left -= 1;
+        Ok(())
+    }
+}
 
 /// SQLite's own ways; it keeps the connect options for the watcher's
 /// connection.
@@ -502,6 +543,9 @@ async fn watch_commits(
     let mut last: Option<i64> = None;
     let mut at_last_tick: Option<i64> = None;
     let mut soon = 0u32;
+    let mut budget = WakeBudget::new(Instant::now());
+    // When to wake the daemon for a commit seen with no wake-up left.
+    let mut deferred: Option<Instant> = None;
     loop {
         let mut ticked = false;
         tokio::select! {
@@ -509,6 +553,9 @@ async fn watch_commits(
             _ = written.notified() => soon = LOOKS_AFTER_A_WRITE,
             _ = looks.tick() => ticked = true,
             _ = tokio::time::sleep(Duration::from_millis(1)), if soon > 0 => soon -= 1,
+            _ = tokio::time::sleep_until(deferred.unwrap_or_else(Instant::now)), if deferred.is_some() => {
+                deferred = None;
+            }
         }
         if conn.is_none() {
             conn = options.connect().await.ok();
@@ -520,12 +567,19 @@ async fn watch_commits(
         {
             Ok(version) => {
                 // The first reading wakes too: anything may have been
-                // committed before the watcher was watching.
+                // committed before the watcher was watching. Every commit
+                // to the file counts, the application's to its own tables
+                // too, and each wake-up is a claim: see `WakeBudget`.
                 if last != Some(version) {
-                    wake.notify_one();
+                    match budget.take(Instant::now()) {
+                        Ok(()) => {
+                            wake.notify_one();
+                            last = Some(version);
+                        }
+                        Err(next) => deferred = Some(next),
+                    }
                     soon = 0;
                 }
-                last = Some(version);
                 if ticked {
                     if let Some(w) = watch.as_mut() {
                         w.pace(at_last_tick == Some(version));
@@ -771,5 +825,97 @@ mod tests {
             .expect("a commit after the quiet interval is reported");
         drop(other);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// An application that commits to the file many times a second (to its
+    /// own tables too) wakes the daemon, each wake-up a claim, a few times
+    /// and then at most every 10 ms, and its last commit still wakes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_of_commits_wakes_the_daemon_at_most_every_10_ms() {
+        let dir =
+            std::env::temp_dir().join(format!("tablemail-stream-{}", Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}", dir.join("stream.db").display());
+        let store = connect(&url, ConnectOptions::new(1)).unwrap();
+        crate::store::Store::migrate(&store).await.unwrap();
+        let mut other = store.dialect.options.connect().await.unwrap();
+        sqlx::query("CREATE TABLE app_events (id INTEGER PRIMARY KEY, what TEXT)")
+            .execute(&mut other)
+            .await
+            .unwrap();
+        let wake = Arc::new(Notify::new());
+        let cancel = CancellationToken::new();
+        let watcher = tokio::spawn(watch_commits(
+            store.dialect.options.clone(),
+            Duration::from_secs(3600),
+            wake.clone(),
+            cancel.clone(),
+        ));
+        let deadline = Duration::from_secs(10);
+        tokio::time::timeout(deadline, wake.notified())
+            .await
+            .expect("the watcher's first reading wakes the daemon");
+        let wakes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let counter = tokio::spawn({
+            let (wake, wakes) = (wake.clone(), wakes.clone());
+            async move {
+                loop {
+                    wake.notified().await;
+                    wakes.lock().unwrap().push(std::time::Instant::now());
+                }
+            }
+        });
+        let began = std::time::Instant::now();
+        for i in 0..300 {
+            sqlx::query("INSERT INTO app_events (what) VALUES (?)")
+                .bind(format!("event {i}"))
+                .execute(&mut other)
+                .await
+                .unwrap();
+        }
+        let last_commit = std::time::Instant::now();
+        // The last commit wakes the daemon, at the latest when the next
+        // wake-up comes back.
+        let until = last_commit + deadline;
+        while !wakes.lock().unwrap().iter().any(|&t| t >= last_commit) {
+            assert!(
+                std::time::Instant::now() < until,
+                "the last commit woke nobody"
+            );
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let window = began.elapsed();
+        let woken = wakes.lock().unwrap().len() as u128;
+        let most = window.as_millis() / WAKE_REFILL.as_millis() + WAKE_BURST as u128 + 1;
+        assert!(
+            woken <= most,
+            "{woken} wake-ups for 300 commits in {window:?}: at most {most}"
+        );
+        counter.abort();
+        cancel.cancel();
+        watcher.await.unwrap();
+        drop(other);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// Eight wake-ups at once, then one every 10 ms; an hour's rest gives
+    /// back eight, not more.
+    #[test]
+    fn the_wake_budget_gives_a_few_at_once_then_one_every_10_ms() {
+        let t0 = Instant::now();
+        let mut budget = WakeBudget::new(t0);
+        for _ in 0..WAKE_BURST {
+            assert_eq!(budget.take(t0), Ok(()));
+        }
+        assert_eq!(budget.take(t0), Err(t0 + WAKE_REFILL));
+        let ms = Duration::from_millis;
+        assert_eq!(budget.take(t0 + ms(9)), Err(t0 + WAKE_REFILL));
+        assert_eq!(budget.take(t0 + ms(10)), Ok(()));
+        assert_eq!(budget.take(t0 + ms(11)), Err(t0 + ms(20)));
+        let later = t0 + Duration::from_secs(3600);
+        for _ in 0..WAKE_BURST {
+            assert_eq!(budget.take(later), Ok(()));
+        }
+        assert_eq!(budget.take(later), Err(later + WAKE_REFILL));
     }
 }
