@@ -35,7 +35,8 @@ pub const MAX_WORKER_THREADS: usize = 8;
 /// lane at the default `worker.concurrency` and as many again for lookups.
 /// More work waits for a free thread. Together with the worker threads,
 /// the log writer and the main thread this stays under the unit's
-/// `TasksMax=64` (SQLite adds one thread per pooled connection).
+/// `TasksMax=64` (SQLite adds one thread per pooled connection, and two for
+/// its wake-up: the watcher's connection and the file watch).
 pub const MAX_BLOCKING_THREADS: usize = 32;
 
 /// The runtime every command runs on, with its threads bounded (see
