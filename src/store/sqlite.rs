@@ -684,16 +684,61 @@ mod tests {
     use super::*;
     use uuid::Uuid;
 
+    /// A migrated SQLite file in a directory of its own, removed on drop.
+    struct Scratch {
+        dir: std::path::PathBuf,
+        store: SqlStore<Sqlite>,
+    }
+
+    impl Scratch {
+        async fn new(name: &str) -> Scratch {
+            let dir =
+                std::env::temp_dir().join(format!("tablemail-{name}-{}", Uuid::new_v4().simple()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let url = format!("sqlite://{}", dir.join(format!("{name}.db")).display());
+            let store = connect(&url, ConnectOptions::new(1)).unwrap();
+            crate::store::Store::migrate(&store).await.unwrap();
+            Scratch { dir, store }
+        }
+
+        /// Another connection to the file, as an application's.
+        async fn connection(&self) -> SqliteConnection {
+            self.store.dialect.options.connect().await.unwrap()
+        }
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// The watcher on `scratch`, looking only once an hour, once its first
+    /// reading has woken the daemon: what wakes it next is a reported write.
+    async fn watching(
+        scratch: &Scratch,
+    ) -> (Arc<Notify>, CancellationToken, tokio::task::JoinHandle<()>) {
+        let wake = Arc::new(Notify::new());
+        let cancel = CancellationToken::new();
+        let watcher = tokio::spawn(watch_commits(
+            scratch.store.dialect.options.clone(),
+            Duration::from_secs(3600),
+            wake.clone(),
+            cancel.clone(),
+        ));
+        // The first reading wakes: rows may have come before the watch.
+        tokio::time::timeout(Duration::from_secs(10), wake.notified())
+            .await
+            .expect("the watcher's first reading wakes the daemon");
+        (wake, cancel, watcher)
+    }
+
     /// Group commits and lock renewals find their rows by rowid even when the
     /// statistics say no row is sending (ANALYZE taken on an idle queue).
     #[tokio::test]
     async fn outcomes_find_their_rows_by_rowid_whatever_the_statistics() {
-        let dir = std::env::temp_dir().join(format!("tablemail-plan-{}", Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let url = format!("sqlite://{}", dir.join("plan.db").display());
-        let store = connect(&url, ConnectOptions::new(1)).unwrap();
-        crate::store::Store::migrate(&store).await.unwrap();
-        let mut conn = store.dialect.options.connect().await.unwrap();
+        let scratch = Scratch::new("plan").await;
+        let mut conn = scratch.connection().await;
         for sql in [
             "ANALYZE",
             "DELETE FROM sqlite_stat1 WHERE tbl = 'mail_queue'",
@@ -721,33 +766,16 @@ mod tests {
                 "{name}: {plan:?}"
             );
         }
-        drop(conn);
-        let _ = std::fs::remove_dir_all(&dir);
     }
     /// A commit of another process wakes the daemon when the kernel reports
     /// the write, not at the watcher's next look: with a look only every
     /// hour, an insert must still wake it.
     #[tokio::test]
     async fn a_commit_to_the_file_wakes_the_daemon_without_waiting_for_a_look() {
-        let dir = std::env::temp_dir().join(format!("tablemail-watch-{}", Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let url = format!("sqlite://{}", dir.join("watch.db").display());
-        let store = connect(&url, ConnectOptions::new(1)).unwrap();
-        crate::store::Store::migrate(&store).await.unwrap();
-        let wake = Arc::new(Notify::new());
-        let cancel = CancellationToken::new();
-        let watcher = tokio::spawn(watch_commits(
-            store.dialect.options.clone(),
-            Duration::from_secs(3600),
-            wake.clone(),
-            cancel.clone(),
-        ));
+        let scratch = Scratch::new("watch").await;
+        let (wake, cancel, watcher) = watching(&scratch).await;
         let deadline = Duration::from_secs(10);
-        // The first reading wakes: rows may have come before the watch.
-        tokio::time::timeout(deadline, wake.notified())
-            .await
-            .expect("the watcher's first reading wakes the daemon");
-        let mut other = store.dialect.options.connect().await.unwrap();
+        let mut other = scratch.connection().await;
         for i in 0..3 {
             let armed = wake.notified();
             tokio::pin!(armed);
@@ -766,8 +794,6 @@ mod tests {
         }
         cancel.cancel();
         watcher.await.unwrap();
-        drop(other);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A burst of writes stops the watch (the daemon draining a backlog would
@@ -775,15 +801,14 @@ mod tests {
     /// without commits starts it again, and a commit is reported at once.
     #[tokio::test]
     async fn the_watch_stops_while_the_file_is_written_fast_and_starts_again_when_quiet() {
-        let dir = std::env::temp_dir().join(format!("tablemail-busy-{}", Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let url = format!("sqlite://{}", dir.join("busy.db").display());
-        let store = connect(&url, ConnectOptions::new(1)).unwrap();
-        crate::store::Store::migrate(&store).await.unwrap();
+        let scratch = Scratch::new("busy").await;
         let written = Arc::new(Notify::new());
-        let mut watch = FileWatch::start(store.dialect.options.get_filename(), written.clone())
-            .expect("the file can be watched here");
-        let mut other = store.dialect.options.connect().await.unwrap();
+        let mut watch = FileWatch::start(
+            scratch.store.dialect.options.get_filename(),
+            written.clone(),
+        )
+        .expect("the file can be watched here");
+        let mut other = scratch.connection().await;
         let insert =
             "INSERT INTO mail_queue (to_address, subject, body) VALUES ('a@example.com', 'Hi', ?)";
         let body = "x".repeat(3000);
@@ -823,8 +848,6 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(10), armed)
             .await
             .expect("a commit after the quiet interval is reported");
-        drop(other);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// An application that commits to the file many times a second (to its
@@ -832,29 +855,14 @@ mod tests {
     /// and then at most every 10 ms, and its last commit still wakes it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stream_of_commits_wakes_the_daemon_at_most_every_10_ms() {
-        let dir =
-            std::env::temp_dir().join(format!("tablemail-stream-{}", Uuid::new_v4().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let url = format!("sqlite://{}", dir.join("stream.db").display());
-        let store = connect(&url, ConnectOptions::new(1)).unwrap();
-        crate::store::Store::migrate(&store).await.unwrap();
-        let mut other = store.dialect.options.connect().await.unwrap();
+        let scratch = Scratch::new("stream").await;
+        let mut other = scratch.connection().await;
         sqlx::query("CREATE TABLE app_events (id INTEGER PRIMARY KEY, what TEXT)")
             .execute(&mut other)
             .await
             .unwrap();
-        let wake = Arc::new(Notify::new());
-        let cancel = CancellationToken::new();
-        let watcher = tokio::spawn(watch_commits(
-            store.dialect.options.clone(),
-            Duration::from_secs(3600),
-            wake.clone(),
-            cancel.clone(),
-        ));
+        let (wake, cancel, watcher) = watching(&scratch).await;
         let deadline = Duration::from_secs(10);
-        tokio::time::timeout(deadline, wake.notified())
-            .await
-            .expect("the watcher's first reading wakes the daemon");
         let wakes = Arc::new(std::sync::Mutex::new(Vec::new()));
         let counter = tokio::spawn({
             let (wake, wakes) = (wake.clone(), wakes.clone());
@@ -894,8 +902,6 @@ mod tests {
         counter.abort();
         cancel.cancel();
         watcher.await.unwrap();
-        drop(other);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// Eight wake-ups at once, then one every 10 ms; an hour's rest gives
