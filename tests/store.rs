@@ -763,6 +763,85 @@ async fn postgres_a_burst_the_statistics_have_not_seen_is_claimed_from_the_head_
     );
 }
 
+/// A mail of a few KB (a text part and its HTML alternative) is kept in its
+/// row compressed to under 1 KB, so that the claim's and the outcome's new
+/// versions of the row are small; one too large for that goes out of line.
+/// Both come back from the claim as they went in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_bodies_of_a_few_kb_are_kept_compressed_in_the_row() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let line = "1 × Roggenbrot „Schwarzwälder“ (750 g) ............ 4,95 €\n";
+    let text = format!("Sehr geehrte Frau Müller,\n\n{}Grüße\n", line.repeat(20));
+    let html = format!("<html><body><table>{}</table></body></html>", {
+        format!("<tr><td style=\"padding: 4px\">{line}</td></tr>").repeat(20)
+    });
+    // Hardly compressible: a digest chain, 24 KB of hex.
+    let mut noise = String::new();
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    while noise.len() < 24 * 1024 {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        noise.push_str(&format!("{state:016x}"));
+    }
+    let small = db
+        .enqueue(NewMail {
+            body: Some(text.clone()),
+            body_html: Some(html.clone()),
+            ..mail("small@example.com", "Ihre Bestellung")
+        })
+        .await;
+    let large = db
+        .enqueue(NewMail {
+            body: Some(noise.clone()),
+            body_html: Some(html.clone()),
+            ..mail("large@example.com", "Ihre Bestellung")
+        })
+        .await;
+    assert!(text.len() + html.len() > 3_000, "precondition: a few KB");
+
+    let row_bytes = db
+        .scalar_i64(&format!(
+            "SELECT pg_column_size(m.*)::int8 FROM mail_queue AS m WHERE id = {small}"
+        ))
+        .await;
+    assert!(
+        row_bytes <= 1_024,
+        "the row of {} octets of bodies takes {row_bytes} octets",
+        text.len() + html.len()
+    );
+    let methods = db
+        .strings(&format!(
+            "SELECT pg_column_compression(body) || ' ' || pg_column_compression(body_html) \
+             FROM mail_queue WHERE id = {small}"
+        ))
+        .await;
+    assert_eq!(methods, ["lz4 lz4"]);
+    let toast = db
+        .strings("SELECT reltoastrelid::regclass::text FROM pg_class WHERE relname = 'mail_queue'")
+        .await;
+    let chunks = db
+        .scalar_i64(&format!("SELECT count(*) FROM {}", toast[0]))
+        .await;
+    assert!(chunks > 0, "the large body out of line");
+
+    let mut mails = claimed(&db, 10).await;
+    mails.sort_by_key(|m| m.id);
+    let bodies: Vec<_> = mails
+        .iter()
+        .map(|m| {
+            let c = m.content.as_ref().expect("within the inline limit");
+            (c.body.clone(), c.body_html.clone())
+        })
+        .collect();
+    assert_eq!(
+        bodies,
+        [(Some(text), Some(html.clone())), (Some(noise), Some(html))]
+    );
+}
+
 /// The claim is planned once per connection and the plan kept: one made
 /// while the table held a single analyzed row must still read the head of
 /// the pending index and fetch the picked rows through the primary key once
