@@ -151,6 +151,62 @@ async fn metrics_and_health_over_http() {
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
 }
 
+/// A daemon that stops and a command that ends close their database
+/// connections politely (the claims', the others', the wake-up listener's,
+/// the metrics endpoint's): the server counts no lost client. PostgreSQL
+/// counts them in `sessions_abandoned`; MariaDB in `Aborted_clients`, with a
+/// line in its error log for each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_daemon_and_an_ended_command_abandon_no_session() {
+    let Some(db) = TestDb::postgres().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&[]);
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let env = daemon_env(&db, &smtp.url(), &[("TABLEMAIL__METRICS__LISTEN", &listen)]);
+    let mut daemon = Daemon::start(env.clone());
+    db.exec(
+        "INSERT INTO mail_queue (to_address, subject, body) VALUES ('u@example.com', 'm', 'b')",
+    )
+    .await;
+    eventually("the mail sent", Duration::from_secs(10), || async {
+        db.count("status = 'sent'").await == 1
+    })
+    .await;
+    eventually("the metrics endpoint", Duration::from_secs(10), || async {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+    assert_eq!(http_get(port, "/healthz").0, 200);
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
+    let (code, _, stderr) = output(tablemail().envs(env).arg("status"));
+    assert_eq!(code, 0, "{stderr}");
+
+    // This test's own store (it migrated the database) closes too; a
+    // session's statistics are in once its server process has gone.
+    db.store.close().await;
+    eventually("the sessions to end", Duration::from_secs(10), || async {
+        db.scalar_i64(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND application_name = 'tablemail'",
+        )
+        .await
+            == 0
+    })
+    .await;
+    let counted = "SELECT sessions, sessions_abandoned FROM pg_stat_database \
+                   WHERE datname = current_database()";
+    let (sessions, abandoned): (i64, i64) =
+        sqlx::query_as(counted).fetch_one(db.pool()).await.unwrap();
+    assert!(
+        sessions >= 5,
+        "precondition: the daemon's and the command's sessions are counted ({sessions})"
+    );
+    assert_eq!(abandoned, 0, "of {sessions} sessions");
+}
+
 /// `/healthz` answers from the snapshot: a database that stops answering
 /// (its connections silent, no reset, new ones never answered) turns it to
 /// 503 within seconds, and it comes back when the database answers again,

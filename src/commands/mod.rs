@@ -83,6 +83,7 @@ pub async fn execute(command: Command, settings: Settings) -> ExitCode {
         Command::Purge => admin::purge(&settings).await,
         Command::Check => admin::check(&settings).await,
     };
+    close_opened().await;
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -131,13 +132,31 @@ pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
     })
 }
 
-/// The database named by `database.*`.
+/// The database named by `database.*`, closed when the command ends.
 async fn connect(settings: &Settings) -> Result<Arc<dyn Store>> {
-    settings
+    let store = settings
         .database
         .connect()
         .await
-        .map_err(|e| CommandError::Usage(format!("database.url: {e}")))
+        .map_err(|e| CommandError::Usage(format!("database.url: {e}")))?;
+    opened(&store);
+    Ok(store)
+}
+
+/// The databases the command opened, whose idle connections are closed
+/// politely when it ends, whichever way it ends (see [`Store::close`]).
+static OPENED: std::sync::Mutex<Vec<Arc<dyn Store>>> = std::sync::Mutex::new(Vec::new());
+
+fn opened(store: &Arc<dyn Store>) {
+    OPENED
+        .lock()
+        .expect("opened stores")
+        .push(Arc::clone(store));
+}
+
+async fn close_opened() {
+    let stores = std::mem::take(&mut *OPENED.lock().expect("opened stores"));
+    futures_util::future::join_all(stores.iter().map(|s| s.close())).await;
 }
 
 /// The transport named by `transport.*`.

@@ -114,6 +114,7 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
             .connect()
             .await
             .map_err(|e| CommandError::Usage(format!("database.url: {e}")))?;
+        super::opened(&snapshot_store);
         let token = settings
             .console
             .token()

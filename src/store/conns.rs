@@ -143,6 +143,18 @@ impl<DB: Database> Conns<DB> {
             .connect_lazy_with(self.inner.options.clone())
     }
 
+    /// Closes the idle connections politely, together, within
+    /// [`CLOSE_WITHIN`] (at the end of a command: a connection only dropped
+    /// is a lost client to the server, which MariaDB counts in
+    /// `Aborted_clients` and logs, and PostgreSQL counts in
+    /// `sessions_abandoned`). Connections in use are dropped with their
+    /// holders.
+    pub async fn close(&self) {
+        let idle = std::mem::take(&mut *self.inner.idle.lock().expect("idle list"));
+        let closes = idle.into_iter().map(|c| c.raw.close());
+        let _ = tokio::time::timeout(CLOSE_WITHIN, futures_util::future::join_all(closes)).await;
+    }
+
     /// A connection, and the place in the pool it holds: an idle one (tested
     /// first if it sat for a while, the test given a quarter of `limit` so
     /// that a silent one leaves time to connect anew) or a new one. The

@@ -164,6 +164,10 @@ pub trait Store: Send + Sync + 'static {
     /// One round-trip to the database.
     async fn ping(&self) -> Result<()>;
 
+    /// Closes the idle connections politely, within a few seconds: at the
+    /// end of a command, so that the server does not count lost clients.
+    async fn close(&self);
+
     /// Puts the rows claimed under `lock` back to `queued`, their attempt
     /// refunded: a claim whose answer never came (the call timed out or the
     /// connection broke) may have committed, and nothing of it was sent.

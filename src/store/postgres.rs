@@ -707,7 +707,14 @@ async fn listen(
     loop {
         let overdue = beat_sent.map(|t| t + deadline);
         tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
+            _ = cancel.cancelled() => {
+                // Its connection back to its pool (sqlx does that in a task
+                // of its own) and closed politely, so that the server does
+                // not count a lost client at every stop.
+                drop(listener);
+                let _ = tokio::time::timeout(Duration::from_secs(1), own.close()).await;
+                return Ok(());
+            }
             // `None` means the connection dropped and was re-established: a
             // notification may have been missed, so wake up either way.
             received = listener.try_recv() => match received? {

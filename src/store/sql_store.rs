@@ -120,6 +120,12 @@ where
         Ok(applied?)
     }
 
+    async fn close(&self) {
+        // The claims' pool may be the same pool: closing it twice is harmless.
+        let claims = self.dialect.claim_pool(&self.shared);
+        futures_util::future::join(self.shared.pool.close(), claims.close()).await;
+    }
+
     async fn ping(&self) -> Result<()> {
         self.shared
             .run(|c| Box::pin(async move { c.execute("SELECT 1").await.map(|_| ()) }))
