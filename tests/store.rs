@@ -763,12 +763,13 @@ async fn postgres_a_burst_the_statistics_have_not_seen_is_claimed_from_the_head_
     );
 }
 
-/// A mail of a few KB (a text part and its HTML alternative) is kept in its
-/// row compressed to under 1 KB, so that the claim's and the outcome's new
-/// versions of the row are small; one too large for that goes out of line.
-/// Both come back from the claim as they went in.
+/// The bodies of a mail of a few KB (a text part and an HTML alternative)
+/// are compressed until its row fits 1 KB, so that the claim's and the
+/// outcome's new versions of the row are small: a mail whose bodies compress
+/// that far stays whole in its row, and one whose bodies do not goes out of
+/// line. Both come back from the claim as they went in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_bodies_of_a_few_kb_are_kept_compressed_in_the_row() {
+async fn postgres_bodies_of_a_few_kb_are_compressed_until_the_row_fits_1_kb() {
     let Some(db) = TestDb::postgres().await else {
         return;
     };
