@@ -46,20 +46,28 @@ fn sample(metrics: &str, series: &str) -> Option<f64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// `tablemail run` on `db` and the relay with its metrics endpoint on a
+/// free port, once the endpoint answers: the daemon, the port, and the
+/// environment it runs with.
+async fn start_with_metrics(db: &TestDb, relay_url: &str) -> (Daemon, u16, Vec<(String, String)>) {
+    let port = free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let env = daemon_env(db, relay_url, &[("TABLEMAIL__METRICS__LISTEN", &listen)]);
+    let daemon = Daemon::start(env.clone());
+    eventually("the metrics endpoint", Duration::from_secs(10), || async {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })
+    .await;
+    (daemon, port, env)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_health_over_http() {
     let Some(db) = TestDb::postgres().await else {
         return;
     };
     let smtp = SmtpServer::start(&[]);
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let env = daemon_env(&db, &smtp.url(), &[("TABLEMAIL__METRICS__LISTEN", &listen)]);
-    let mut daemon = Daemon::start(env);
-    eventually("the metrics endpoint", Duration::from_secs(10), || async {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    })
-    .await;
+    let (mut daemon, port, _) = start_with_metrics(&db, &smtp.url()).await;
     let (status, body) = http_get(port, "/healthz");
     assert_eq!(status, 200, "{body}");
     assert!(
@@ -162,20 +170,13 @@ async fn a_stopped_daemon_and_an_ended_command_abandon_no_session() {
         return;
     };
     let smtp = SmtpServer::start(&[]);
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
-    let env = daemon_env(&db, &smtp.url(), &[("TABLEMAIL__METRICS__LISTEN", &listen)]);
-    let mut daemon = Daemon::start(env.clone());
+    let (mut daemon, port, env) = start_with_metrics(&db, &smtp.url()).await;
     db.exec(
         "INSERT INTO mail_queue (to_address, subject, body) VALUES ('u@example.com', 'm', 'b')",
     )
     .await;
     eventually("the mail sent", Duration::from_secs(10), || async {
         db.count("status = 'sent'").await == 1
-    })
-    .await;
-    eventually("the metrics endpoint", Duration::from_secs(10), || async {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
     })
     .await;
     assert_eq!(http_get(port, "/healthz").0, 200);
