@@ -137,6 +137,19 @@ where
     }
 }
 
+/// The octets of a field name written without a look at escaping: ASCII
+/// letters, digits, `_` and `.`.
+const PLAIN_NAME: [bool; 256] = {
+    let mut table = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        table[b] = c.is_ascii_alphanumeric() || c == b'_' || c == b'.';
+        b += 1;
+    }
+    table
+};
+
 /// Writes each field as `,"name":value`.
 struct JsonFields<'a> {
     out: &'a mut String,
@@ -144,9 +157,18 @@ struct JsonFields<'a> {
 
 impl JsonFields<'_> {
     fn name(&mut self, field: &Field) {
-        self.out.push(',');
-        write_json_str(self.out, field.name());
-        self.out.push(':');
+        let name = field.name();
+        // Field names are identifiers (`mail_id`, `error`): nothing to
+        // escape, so no escaping pass over each (ten of them a mail).
+        if name.bytes().all(|b| PLAIN_NAME[usize::from(b)]) {
+            self.out.push_str(",\"");
+            self.out.push_str(name);
+            self.out.push_str("\":");
+        } else {
+            self.out.push(',');
+            write_json_str(self.out, name);
+            self.out.push(':');
+        }
     }
 }
 
@@ -497,7 +519,13 @@ mod tests {
             );
             let _entered = span.enter();
             span.record("outcome", "sent");
-            tracing::info!(smtp_code = 250_u16, ok = true, error = %"a\nb", "mail sent");
+            tracing::info!(
+                smtp_code = 250_u16,
+                ok = true,
+                error = %"a\nb",
+                "x-\"odd\" name" = 3_u64,
+                "mail sent"
+            );
         });
         assert_eq!(lines.len(), 1);
         let line = &lines[0];
@@ -508,6 +536,10 @@ mod tests {
         assert_eq!(line["smtp_code"], 250);
         assert_eq!(line["ok"], true);
         assert_eq!(line["error"], "a\nb");
+        assert_eq!(
+            line["x-\"odd\" name"], 3,
+            "a field name that is not an identifier"
+        );
         assert_eq!(line["message"], "mail sent");
         assert_eq!(line["level"], "INFO");
         assert_eq!(line["target"], module_path!());

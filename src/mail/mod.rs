@@ -158,6 +158,9 @@ const LEAST_PART_HEADERS: u64 = 128;
 /// The longest Message-ID an application may give (RFC 5322 allows a line
 /// of 998; this keeps it a sane identifier).
 const MAX_MESSAGE_ID: usize = 250;
+/// Room for a header section as most mail has it (From, To, Subject, Date,
+/// Message-ID, the MIME fields: 400–700 octets); a longer one grows it.
+const HEAD_CAPACITY: usize = 1024;
 
 /// A lower bound of the size of the message built from columns of these
 /// sizes, from the lengths alone: a mail over the limit by this bound fails
@@ -186,9 +189,9 @@ struct Message<'a> {
 }
 
 impl Message<'_> {
-    /// The whole message: the same code sizes it (into a [`Count`]) and
-    /// writes it.
-    fn write<O: Out>(&self, out: &mut O) {
+    /// The header section, through the empty line that ends it: written
+    /// once (its encoded words and folds cost more than copying it).
+    fn write_head(&self, out: &mut Vec<u8>) {
         address::write_list(out, "From", std::slice::from_ref(&self.from));
         for (name, list) in [
             ("To", &self.to),
@@ -215,6 +218,11 @@ impl Message<'_> {
             header.write(out);
         }
         out.put(b"\r\n");
+    }
+
+    /// The body: the same code sizes it (into a [`Count`], from its parts'
+    /// planned lengths) and writes it.
+    fn write_body<O: Out>(&self, out: &mut O) {
         self.root.write_body(out);
         if matches!(self.root, Node::Multi { .. }) {
             out.put(b"\r\n");
@@ -374,20 +382,27 @@ pub fn prepare(mail: &Draft<'_>, defaults: &MessageDefaults) -> Result<PreparedM
         root,
         extra,
     };
-    // Sized first (exactly, or within a few percent when a part is
-    // quoted-printable), then written once into a buffer of that size.
-    let mut size = Count::default();
-    message.write(&mut size);
-    if size.exact && size.len as u64 > max_size {
+    // The header section written first, on its own; the body sized from
+    // its parts' planned lengths (exactly, or within a few percent when a
+    // part is quoted-printable); then the message written once into a
+    // buffer of that size: the header section copied, the body encoded.
+    let mut head = Vec::with_capacity(HEAD_CAPACITY);
+    message.write_head(&mut head);
+    let mut body = Count::default();
+    message.write_body(&mut body);
+    let size = head.len() + body.len;
+    if body.exact && size as u64 > max_size {
         return Err(MailError::TooLarge {
-            size: size.len,
+            size,
             max: max_size,
         });
     }
-    let mut bytes = Vec::with_capacity(size.len);
-    message.write(&mut bytes);
-    debug_assert!(bytes.len() <= size.len && bytes.capacity() == size.len);
-    debug_assert!(!size.exact || bytes.len() == size.len);
+    let mut bytes = Vec::with_capacity(size);
+    bytes.extend_from_slice(&head);
+    drop(head);
+    message.write_body(&mut bytes);
+    debug_assert!(bytes.len() <= size && bytes.capacity() == size);
+    debug_assert!(!body.exact || bytes.len() == size);
     if bytes.len() as u64 > max_size {
         return Err(MailError::TooLarge {
             size: bytes.len(),
