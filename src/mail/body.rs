@@ -376,7 +376,9 @@ fn quoted_printable(bytes: &[u8], out: &mut Vec<u8>) {
                 col += take;
                 run = &run[take..];
             }
-            if i < n {
+            // The octet that ended the run, and those escaped right after
+            // it (the rest of a character beyond ASCII), here together.
+            while i < n {
                 if col + 3 > QP_LINE {
                     out.extend_from_slice(b"=\r\n");
                     col = 0;
@@ -385,6 +387,9 @@ fn quoted_printable(bytes: &[u8], out: &mut Vec<u8>) {
                 out.extend_from_slice(&[b'=', HEX[(b >> 4) as usize], HEX[(b & 15) as usize]]);
                 col += 3;
                 i += 1;
+                if i < n && QP_LITERAL[line[i] as usize] {
+                    break;
+                }
             }
         }
         if ended {
@@ -704,6 +709,7 @@ mod tests {
             let c = Content::text(&text);
             let out = encoded(&c);
             no_bare_cr_or_lf(&out);
+            proptest::prop_assert!(out.is_ascii(), "8-bit octets written as they are");
             // Encoded lines take 76 characters at most; 7bit text keeps its
             // own lines, up to the limit of SMTP (each with its CR).
             let widest = match c.transfer() {
