@@ -36,8 +36,9 @@ pub const MAX_HEADERS_JSON: usize = 64 * 1024;
 /// The longest header name: with ": " and a word it must fit a line.
 const MAX_NAME: usize = 76;
 
-/// Where a message goes: the bytes themselves, or a [`Count`] that sizes it
-/// first, so that the message is written once into a buffer allocated once.
+/// Where a message goes: the bytes themselves, or a [`Count`] that sizes
+/// its body first, so that the message is written once into a buffer
+/// allocated once.
 pub(super) trait Out {
     fn put(&mut self, bytes: &[u8]);
     /// A part's content, whose encoded length was known when it was planned.

@@ -1,8 +1,9 @@
 //! A [`Draft`] (a row's columns and its attachments, borrowed) -> the
 //! message's bytes and envelope, written by our own MIME writer in time and
-//! memory linear in the size of the row: the message is sized first (from
-//! one scan of each body), then written once into a buffer allocated at
-//! that size, and DKIM-signed when configured. Everything refused here is a permanent failure that never
+//! memory linear in the size of the row: the header section is written on
+//! its own, the body sized (from one scan of each body), then the message
+//! written once into a buffer allocated at that size, and DKIM-signed when
+//! configured. Everything refused here is a permanent failure that never
 //! opens an SMTP session.
 //!
 //! # Layout
