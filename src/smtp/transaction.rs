@@ -168,7 +168,10 @@ pub(super) async fn transaction(
         .and_then(|n| Some((n.id, Envelope::of(conn, n).ok()?)));
     session.stage = Stage::Body;
     session.data_mark = Some(conn.reads.get());
-    let (sent, ahead) = match std::str::from_utf8(mail.content) {
+    // The message is checked once more as text (lettre's command takes a
+    // `str`), at vector speed: `core`'s check was 1.2% of a real mail's
+    // instructions.
+    let (sent, ahead) = match simdutf8::basic::from_utf8(mail.content) {
         // The message, dot-stuffed, ".", and maybe the next envelope, in one write.
         Ok(text) => {
             let data = EndOfData {
