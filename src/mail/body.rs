@@ -681,6 +681,41 @@ mod tests {
         i + 1
     }
 
+    /// Quoted-printable as the obvious loop over every octet, with the
+    /// writer's rules: a soft break before a plain octet at column 75 and
+    /// before an escape that would pass it, TAB plain but at a line's end,
+    /// a space escaped at a line's end.
+    fn qp_octet_by_octet(text: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (line, ended) in lines(text) {
+            let mut col = 0;
+            for (i, &b) in line.iter().enumerate() {
+                let last = i + 1 == line.len();
+                let plain =
+                    matches!(b, 0x21..=0x7e if b != b'=') || (!last && (b == b' ' || b == b'\t'));
+                if plain {
+                    if col == 75 {
+                        out.extend_from_slice(b"=\r\n");
+                        col = 0;
+                    }
+                    out.push(b);
+                    col += 1;
+                } else {
+                    if col + 3 > 75 {
+                        out.extend_from_slice(b"=\r\n");
+                        col = 0;
+                    }
+                    out.extend_from_slice(format!("={b:02X}").as_bytes());
+                    col += 3;
+                }
+            }
+            if ended {
+                out.extend_from_slice(b"\r\n");
+            }
+        }
+        out
+    }
+
     /// The scan as the obvious loop over every octet.
     fn octet_by_octet(bytes: &[u8]) -> Scan {
         let mut scan = Scan::starting(bytes);
@@ -699,9 +734,10 @@ mod tests {
             pieces in proptest::collection::vec(
                 proptest::sample::select(vec![
                     "a", "Wir versenden sie", "=", "\r\n", "\n", "\r", " ", "\t", "ü", "€",
-                    "\u{1}", "--=_", "<td style=\"padding: 4px\">",
+                    "\u{1}", "--=_", "<td style=\"padding: 4px\">", "ü ", "  ", "\u{7f}",
+                    "Sehr geehrte Frau Müller, vielen Dank", "„Schwarzwälder“",
                 ]),
-                0..120,
+                0..160,
             )
         ) {
             let text = pieces.concat();
@@ -710,6 +746,9 @@ mod tests {
             let out = encoded(&c);
             no_bare_cr_or_lf(&out);
             proptest::prop_assert!(out.is_ascii(), "8-bit octets written as they are");
+            if c.transfer() == Transfer::QuotedPrintable {
+                proptest::prop_assert_eq!(&out, &qp_octet_by_octet(text.as_bytes()));
+            }
             // Encoded lines take 76 characters at most; 7bit text keeps its
             // own lines, up to the limit of SMTP (each with its CR).
             let widest = match c.transfer() {
@@ -723,6 +762,26 @@ mod tests {
                 Transfer::Base64 => decode_b64(&out),
             };
             proptest::prop_assert_eq!(decoded, crlf(&text).into_bytes());
+        }
+    }
+
+    #[test]
+    fn quoted_printable_is_the_same_at_every_alignment() {
+        // Each piece starts at every offset against the writer's eight- and
+        // sixteen-octet words and against the 75 columns of a line.
+        for piece in ["Grüße =\t x\t", "ü ", "a\t", "Müller  \n", "=\u{1}\u{7f} "] {
+            for k in 0..90 {
+                let text = format!(
+                    "{}{piece}{} and then a line of plain words after it all, 60.",
+                    "x".repeat(k),
+                    "é".repeat(k % 3 + 1)
+                );
+                let c = Content::text(&text);
+                assert_eq!(c.transfer(), Transfer::QuotedPrintable, "{text:?}");
+                let out = encoded(&c);
+                assert_eq!(out, qp_octet_by_octet(text.as_bytes()), "{text:?}");
+                assert_eq!(decode_qp(&out), crlf(&text).as_bytes(), "{text:?}");
+            }
         }
     }
 
