@@ -767,8 +767,8 @@ mod tests {
 
     #[test]
     fn quoted_printable_is_the_same_at_every_alignment() {
-        // Each piece starts at every offset against the writer's eight- and
-        // sixteen-octet words and against the 75 columns of a line.
+        // Each piece starts at every offset against the writer's 16-octet
+        // windows and against the 75 columns of a line.
         for piece in ["Grüße =\t x\t", "ü ", "a\t", "Müller  \n", "=\u{1}\u{7f} "] {
             for k in 0..90 {
                 let text = format!(

@@ -324,8 +324,8 @@ impl fmt::Display for Envelope {
 ///
 /// Built as one string allocated at about its size: lettre's `command`
 /// turns what it is given into a string, which for a `&str` is one copy,
-/// where a `Display` value is formatted into a string grown step by step (a
-/// twentieth of a real mail's instructions went to that growing).
+/// where a `Display` value is formatted into a string grown step by step
+/// (that growing cost about 1.5% of a real mail's instructions).
 fn end_of_data(text: &str, then: Option<&Envelope>) -> String {
     /// A line that starts with ".", found with SIMD (a byte-at-a-time
     /// search was a tenth of the lane's CPU).
