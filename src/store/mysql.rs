@@ -6,8 +6,7 @@
 //! `JSON_TABLE` of the outcomes.
 //! Rows are always locked in id order (finalize and lock renewal alike), so
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
-//! NOTIFY, so an idle daemon looks for a new newest id every 100 ms, and
-//! every 10 ms for half a second after it found one.
+//! NOTIFY, so an idle daemon looks for a new newest id every 100 ms.
 //! Retention picks the rows it deletes by a plain read and deletes them by
 //! id. About 750 lines: its SQL, each statement with its reason.
 
@@ -18,7 +17,7 @@ use sqlx::{
     mysql::{MySqlConnectOptions, MySqlConnection},
     AssertSqlSafe, ConnectOptions as _, Connection, Executor, FromRow, Row,
 };
-use tokio::{sync::Notify, time::Instant};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::{
@@ -433,23 +432,10 @@ async fn lock_by_id(
 const NEWEST: &str = "SELECT MAX(id) FROM mail_queue";
 
 /// How often an idle daemon looks for new rows. A look costs MariaDB about
-/// 0.2 ms of CPU when it is otherwise idle (10.11, measured on the
-/// project's machine), so an idle daemon costs the server about 0.2% of a
-/// core; looking every 25 ms would cost four times that for pickups 75 ms
-/// sooner.
+/// 0.2 ms of CPU (10.11, measured on the project's machine), so an idle
+/// daemon costs the server about 0.2% of a core; looking every 25 ms would
+/// cost four times that for pickups 75 ms sooner.
 const LOOK_EVERY: Duration = Duration::from_millis(100);
-
-/// How often it looks while rows are arriving: for [`BUSY_FOR`] after a
-/// look that found a new one. Each look still costs the server about 0.2
-/// ms (its thread is woken for it), so a daemon costs it about 2% of a core
-/// (and itself as much) while mail comes in, whatever the rate, and picks a
-/// mail up in 9 ms instead of 45 (the median on the project's machine; the
-/// claim and the send take 4 of them). Every 2 ms would cost three times
-/// that for 5 ms instead of 9.
-const LOOK_EVERY_BUSY: Duration = Duration::from_millis(10);
-
-/// How long after a new row the looks stay frequent.
-const BUSY_FOR: Duration = Duration::from_millis(500);
 
 /// How deep a claim looks past rows other claims hold, in batches.
 const HEAD_DEPTH: i64 = 64;
@@ -719,21 +705,17 @@ impl Dialect for MySql {
     ) -> Option<&'static str> {
         let (options, deadline) = (self.options.clone(), shared.deadline);
         tokio::spawn(async move {
+            let mut looks = tokio::time::interval(LOOK_EVERY);
+            looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             // A connection of its own: a look is one round trip, without a
             // place to wait for in the pool nor a test on its way back.
             let mut conn: Option<MySqlConnection> = None;
             let mut last: Option<Option<i64>> = None;
-            // When a look last found a new row (none yet: the first look
-            // comes at once).
-            let mut arrived: Option<Instant> = None;
-            let mut next = Instant::now();
             loop {
                 tokio::select! {
                     _ = cancel.cancelled() => break,
-                    _ = tokio::time::sleep_until(next) => {}
+                    _ = looks.tick() => {}
                 }
-                let busy = arrived.is_some_and(|at| at.elapsed() < BUSY_FOR);
-                next = Instant::now() + if busy { LOOK_EVERY_BUSY } else { LOOK_EVERY };
                 let newest = tokio::time::timeout(deadline, async {
                     if conn.is_none() {
                         conn = Some(options.connect().await?);
@@ -750,9 +732,6 @@ impl Dialect for MySql {
                         // before the watcher was watching.
                         if last != Some(newest) {
                             wake.notify_one();
-                            if last.is_some() {
-                                arrived = Some(Instant::now());
-                            }
                         }
                         last = Some(newest);
                     }
