@@ -16,6 +16,7 @@ for_each_backend!(
     claims_only_due_rows_and_spends_the_attempt,
     claims_never_overlap,
     fencing_protects_the_new_owner,
+    a_group_commit_writes_only_the_rows_still_its_own,
     renewal_keeps_locks_fresh,
     stale_locks_are_released,
     the_sweep_spares_the_locks_this_process_holds,
@@ -129,6 +130,89 @@ mod a_claim_passes_over_rows_another_transaction_holds {
             rest,
             "the held rows once let go, and the last"
         );
+    }
+}
+
+/// On the backends that lock rows (PostgreSQL, MariaDB): another batch's
+/// rows held by a transaction in flight (its own outcomes, a renewal) are
+/// none of this batch's business, however small the table.
+mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
+    use super::*;
+    use sqlx::{Connection, Executor};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        if let Some(db) = TestDb::postgres().await {
+            let holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+            neither_waits(db, holder, "").await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn mysql() {
+        if let Some(db) = TestDb::mysql().await {
+            let mut holder = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
+            holder
+                .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+                .await
+                .unwrap();
+            neither_waits(db, holder, " FORCE INDEX (PRIMARY)").await;
+        }
+    }
+
+    /// Two batches of two on a table of four rows (where InnoDB would rather
+    /// find the rows in flight through the status index than by id); the
+    /// other batch's rows are held while this one renews its locks and
+    /// writes its outcomes, which must neither wait nor touch them.
+    async fn neither_waits<C>(db: TestDb, mut holder: C, by_id: &str)
+    where
+        for<'c> &'c mut C: Executor<'c>,
+    {
+        for i in 0..4 {
+            db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+        }
+        let ours = claimed(&db, 2).await;
+        let theirs = claimed(&db, 2).await;
+        let held = theirs
+            .iter()
+            .map(|m| m.id.to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let hold = format!("SELECT id FROM mail_queue{by_id} WHERE id IN ({held}) FOR UPDATE");
+        holder.execute("BEGIN").await.unwrap();
+        holder.execute(sqlx::AssertSqlSafe(hold)).await.unwrap();
+
+        let limit = Duration::from_secs(10);
+        let held_locks: Vec<(i64, BatchLock)> = ours.iter().map(|m| (m.id, m.lock)).collect();
+        let renewed = tokio::time::timeout(limit, db.store.renew_locks(&held_locks))
+            .await
+            .expect("the renewal waited on the other batch's rows")
+            .unwrap();
+        assert_eq!(renewed, 2);
+        let outcomes: Vec<Finalize> = ours
+            .iter()
+            .map(|m| finalize(m, FinalAction::Sent))
+            .collect();
+        let mut written = tokio::time::timeout(limit, db.store.finalize(&outcomes))
+            .await
+            .expect("the outcomes waited on the other batch's rows")
+            .unwrap();
+        written.sort_unstable();
+        let mut our_ids: Vec<i64> = ours.iter().map(|m| m.id).collect();
+        our_ids.sort_unstable();
+        assert_eq!(written, our_ids);
+        holder.execute("ROLLBACK").await.unwrap();
+
+        for m in &ours {
+            assert_eq!(db.row(m.id).await.status, "sent");
+        }
+        for m in &theirs {
+            assert_eq!(
+                db.row(m.id).await.status,
+                "sending",
+                "the other batch's row"
+            );
+        }
     }
 }
 
@@ -285,6 +369,50 @@ async fn fencing_protects_the_new_owner(db: TestDb) {
     let row = db.row(id).await;
     assert_eq!(row.status, "sent");
     assert_eq!(row.last_error, None);
+}
+
+/// One batch of three, the middle row taken away (its lock gone stale,
+/// released and claimed by another worker): the batch's outcomes, written
+/// together, land on the two rows it still holds and leave the third to its
+/// new owner.
+async fn a_group_commit_writes_only_the_rows_still_its_own(db: TestDb) {
+    for i in 0..3 {
+        db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+    }
+    let mut batch = claimed(&db, 3).await;
+    batch.sort_by_key(|m| m.id);
+    let taken = batch[1].id;
+    db.exec(&format!(
+        "UPDATE mail_queue SET locked_at = {} WHERE id = {taken}",
+        db.minus("locked_at", 3600)
+    ))
+    .await;
+    let released = db
+        .store
+        .release_stale_locks(Duration::from_secs(60), &[])
+        .await
+        .unwrap();
+    assert_eq!(released.len(), 1);
+    let new = claimed(&db, 1).await.remove(0);
+    assert_eq!(new.id, taken);
+
+    let outcomes: Vec<Finalize> = batch
+        .iter()
+        .map(|m| finalize(m, FinalAction::Sent))
+        .collect();
+    let mut written = db.store.finalize(&outcomes).await.unwrap();
+    written.sort_unstable();
+    assert_eq!(written, [batch[0].id, batch[2].id]);
+    assert_eq!(db.row(batch[0].id).await.status, "sent");
+    assert_eq!(db.row(batch[2].id).await.status, "sent");
+    let row = db.row(taken).await;
+    assert_eq!((row.status.as_str(), row.attempts), ("sending", 2));
+    let written = db
+        .store
+        .finalize(&[finalize(&new, FinalAction::Sent)])
+        .await
+        .unwrap();
+    assert_eq!(written, [taken], "the new owner's outcome");
 }
 
 async fn renewal_keeps_locks_fresh(db: TestDb) {
