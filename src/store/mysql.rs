@@ -3,7 +3,7 @@
 //! in a short READ COMMITTED transaction (no gap locks in the way of
 //! applications' INSERTs), stamp them with the batch GUID and read them
 //! back, since MariaDB has no `UPDATE … RETURNING`. Finalize joins
-//! `JSON_TABLE` of the outcomes.
+//! `JSON_TABLE` of the outcomes to their rows by id, in that order.
 //! Rows are always locked in id order (finalize and lock renewal alike), so
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
 //! NOTIFY, so an idle daemon looks for a new newest id every 100 ms.
