@@ -8,7 +8,7 @@
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
 //! NOTIFY, so an idle daemon looks for a new newest id every 100 ms.
 //! Retention picks the rows it deletes by a plain read and deletes them by
-//! id. About 750 lines: its SQL, each statement with its reason.
+//! id. About 800 lines: its SQL, each statement with its reason.
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
