@@ -135,7 +135,8 @@ mod a_claim_passes_over_rows_another_transaction_holds {
 
 /// On the backends that lock rows (PostgreSQL, MariaDB): another batch's
 /// rows held by a transaction in flight (its own outcomes, a renewal) are
-/// none of this batch's business, however small the table.
+/// none of this batch's business, however small the table: not of its
+/// outcomes, its renewals, nor of a sweep of stale locks.
 mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
     use super::*;
     use sqlx::{Connection, Executor};
@@ -163,7 +164,8 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
     /// Two batches of two on a table of four rows (where InnoDB would rather
     /// find the rows in flight through the status index than by id); the
     /// other batch's rows are held while this one renews its locks and
-    /// writes its outcomes, which must neither wait nor touch them.
+    /// writes its outcomes, and again while a third batch's stale locks are
+    /// swept: none of them may wait for those rows or touch them.
     async fn neither_waits<C>(db: TestDb, mut holder: C, by_id: &str)
     where
         for<'c> &'c mut C: Executor<'c>,
@@ -206,6 +208,46 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
         for m in &ours {
             assert_eq!(db.row(m.id).await.status, "sent");
         }
+        for m in &theirs {
+            assert_eq!(
+                db.row(m.id).await.status,
+                "sending",
+                "the other batch's row"
+            );
+        }
+
+        // The same for the stale-lock sweep: the other batch's rows held
+        // again, a third batch gone stale is released without waiting.
+        for i in 4..6 {
+            db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+        }
+        let stale = claimed(&db, 2).await;
+        let mut stale_ids: Vec<i64> = stale.iter().map(|m| m.id).collect();
+        stale_ids.sort_unstable();
+        let listed = stale_ids
+            .iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        db.exec(&format!(
+            "UPDATE mail_queue SET locked_at = {} WHERE id IN ({listed})",
+            db.minus("locked_at", 3600)
+        ))
+        .await;
+        let hold = format!("SELECT id FROM mail_queue{by_id} WHERE id IN ({held}) FOR UPDATE");
+        holder.execute("BEGIN").await.unwrap();
+        holder.execute(sqlx::AssertSqlSafe(hold)).await.unwrap();
+        let released = tokio::time::timeout(
+            limit,
+            db.store.release_stale_locks(Duration::from_secs(60), &[]),
+        )
+        .await
+        .expect("the sweep waited on the other batch's rows")
+        .unwrap();
+        holder.execute("ROLLBACK").await.unwrap();
+        let mut released: Vec<i64> = released.iter().map(|r| r.id).collect();
+        released.sort_unstable();
+        assert_eq!(released, stale_ids);
         for m in &theirs {
             assert_eq!(
                 db.row(m.id).await.status,

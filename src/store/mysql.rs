@@ -584,8 +584,6 @@ impl Dialect for MySql {
     ) -> Result<Vec<i64>, sqlx::Error> {
         let mut ids: Vec<i64> = writes.iter().map(|w| w.id).collect();
         ids.sort_unstable();
-        let expected: std::collections::HashMap<i64, String> =
-            writes.iter().map(|w| (w.id, w.lock.to_string())).collect();
         // One statement per chunk of JSON small enough for the wire (each
         // outcome about 180 bytes of JSON besides its texts), in id order.
         let chunks = wire_chunks(writes, STATEMENT_BUDGET, 180, 0);
@@ -596,6 +594,11 @@ impl Dialect for MySql {
         }
         tx.rollback().await?;
 
+        let expected: std::collections::HashMap<i64, String> = chunks
+            .iter()
+            .flatten()
+            .map(|w| (w.id, w.lock.to_string()))
+            .collect();
         let mut tx = c.begin().await?;
         let mut written = Vec::with_capacity(ids.len());
         for row in lock_by_id(&mut tx, &ids).await? {
