@@ -145,7 +145,7 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
     async fn postgres() {
         if let Some(db) = TestDb::postgres().await {
             let holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
-            neither_waits(db, holder, "").await;
+            none_of_them_waits(db, holder, "").await;
         }
     }
 
@@ -157,7 +157,7 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
                 .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
                 .await
                 .unwrap();
-            neither_waits(db, holder, " FORCE INDEX (PRIMARY)").await;
+            none_of_them_waits(db, holder, " FORCE INDEX (PRIMARY)").await;
         }
     }
 
@@ -166,7 +166,7 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
     /// other batch's rows are held while this one renews its locks and
     /// writes its outcomes, and again while a third batch's stale locks are
     /// swept: none of them may wait for those rows or touch them.
-    async fn neither_waits<C>(db: TestDb, mut holder: C, by_id: &str)
+    async fn none_of_them_waits<C>(db: TestDb, mut holder: C, by_id: &str)
     where
         for<'c> &'c mut C: Executor<'c>,
     {
