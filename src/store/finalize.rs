@@ -296,6 +296,54 @@ mod tests {
         }
     }
 
+    /// MySQL's outcomes as arrays: the positions its `JSON_TABLE` paths
+    /// read (`$[0]` … `$[13]`), the history fields only with a history row
+    /// (its detail NULL where it is the error), and no longer than the 80 octets besides the texts (40 more with a
+    /// history row) that [`wire_chunks`] counts for them, for ids of up to
+    /// fifteen digits and delays of up to a week.
+    #[test]
+    fn outcomes_as_arrays_are_in_place_and_within_their_count() {
+        use crate::store::rows::finalize_rows_json;
+        let lock = BatchLock(uuid::Uuid::nil());
+        let retry = Finalize {
+            id: 999_999_999_999_999,
+            lock,
+            action: FinalAction::Retry {
+                delay: Duration::from_secs(7 * 86400),
+                error: "RCPT TO: 450 4.2.0 busy".into(),
+                relay_down: false,
+            },
+            relay_reply: None,
+            event: Some(Event {
+                attempt: 12,
+                outcome: EventOutcome::Retry,
+                stage: Some("rcpt"),
+                smtp_code: Some(450),
+                detail: None,
+            }),
+        };
+        let json = finalize_rows_json(&[sent(7, "250 ok"), retry.clone()]);
+        let nil = "00000000-0000-0000-0000-000000000000";
+        assert_eq!(
+            json,
+            format!(
+                "[[7,\"{nil}\",\"sent\",-1,null,0,1,0,\"250 ok\"],\
+                 [999999999999999,\"{nil}\",\"queued\",604800000,\"RCPT TO: 450 4.2.0 busy\",0,1,0,null,\
+                 12,\"retry\",\"rcpt\",450,null]]"
+            )
+        );
+        let alone = finalize_rows_json(std::slice::from_ref(&retry));
+        assert!(alone.len() - 2 <= 80 + 40 + retry.text_size(), "{alone}");
+        let mut failed = sent(999_999_999_999_999, "");
+        failed.relay_reply = None;
+        failed.action = FinalAction::Failed {
+            error: String::new(),
+            relay_down: true,
+        };
+        let alone = finalize_rows_json(std::slice::from_ref(&failed));
+        assert!(alone.len() - 2 <= 80 + failed.text_size(), "{alone}");
+    }
+
     #[test]
     fn outcomes_go_in_statements_that_fit_the_send_buffer() {
         let reply = "250 2.0.0 Ok: queued as 4XyZabc";

@@ -3,7 +3,7 @@
 //! in a short READ COMMITTED transaction (no gap locks in the way of
 //! applications' INSERTs), stamp them with the batch GUID and read them
 //! back, since MariaDB has no `UPDATE … RETURNING`. Finalize joins
-//! `JSON_TABLE` of the outcomes to their rows by id, in that order.
+//! `JSON_TABLE` of the outcomes (arrays) to their rows by id, in that order.
 //! Rows are always locked in id order (finalize and lock renewal alike), so
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
 //! NOTIFY, so an idle daemon looks for a new newest id every 100 ms.
@@ -26,7 +26,7 @@ use super::{
     finalize::{wire_chunks, STATEMENT_BUDGET},
     insert::{insert_attachments, insert_columns, insert_query},
     migrations::MYSQL,
-    rows::{self, finalize_json, held_json, locks_json},
+    rows::{self, finalize_rows_json, held_json, locks_json},
     shared::{self, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Finished, NewMail,
     QueuedMail, Result, StaleRow,
@@ -198,15 +198,15 @@ SELECT id, status, thread_lock FROM mail_queue FORCE INDEX (PRIMARY) WHERE id IN
 /// each other.
 const FINALIZE: &str = r#"
 UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
-        id BIGINT PATH '$.id',
-        lk VARCHAR(36) PATH '$.lock',
-        st VARCHAR(16) PATH '$.status',
-        delay_ms BIGINT PATH '$.delay_ms',
-        err TEXT PATH '$.error',
-        refund INT PATH '$.refund',
-        processed INT PATH '$.processed',
-        relay_down INT PATH '$.relay_down',
-        reply TEXT PATH '$.relay_reply'
+        id BIGINT PATH '$[0]',
+        lk VARCHAR(36) PATH '$[1]',
+        st VARCHAR(16) PATH '$[2]',
+        delay_ms BIGINT PATH '$[3]',
+        err TEXT PATH '$[4]',
+        refund INT PATH '$[5]',
+        processed INT PATH '$[6]',
+        relay_down INT PATH '$[7]',
+        reply TEXT PATH '$[8]'
     )) AS f
 STRAIGHT_JOIN mail_queue AS m FORCE INDEX (PRIMARY)
   ON m.id = f.id AND m.thread_lock = f.lk AND m.status = 'sending'
@@ -227,17 +227,19 @@ SET m.send_at = CASE WHEN f.delay_ms >= 0
 "#;
 
 /// The history rows of the outcomes FINALIZE wrote (an IN list of their ids
-/// follows), in the same transaction.
+/// follows), in the same transaction; a row's detail is the outcome's error
+/// unless it has one of its own.
 const FINALIZE_EVENTS: &str = r#"
 INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
-SELECT f.id, f.attempt, f.outcome, f.stage, f.code, f.detail
+SELECT f.id, f.attempt, f.outcome, f.stage, f.code, COALESCE(f.detail, f.err)
 FROM JSON_TABLE(?, '$[*]' COLUMNS (
-        id BIGINT PATH '$.id',
-        attempt INT PATH '$.ev_attempt',
-        outcome VARCHAR(16) PATH '$.ev_outcome',
-        stage VARCHAR(16) PATH '$.ev_stage',
-        code INT PATH '$.ev_code',
-        detail TEXT PATH '$.ev_detail'
+        id BIGINT PATH '$[0]',
+        err TEXT PATH '$[4]',
+        attempt INT PATH '$[9]',
+        outcome VARCHAR(16) PATH '$[10]',
+        stage VARCHAR(16) PATH '$[11]',
+        code INT PATH '$[12]',
+        detail TEXT PATH '$[13]'
     )) AS f
 WHERE f.outcome IS NOT NULL AND f.id IN "#;
 
@@ -442,7 +444,7 @@ async fn write_outcomes(
     whole: bool,
 ) -> Result<bool, sqlx::Error> {
     for chunk in chunks {
-        let json = finalize_json(chunk);
+        let json = finalize_rows_json(chunk);
         let done = sqlx::query(FINALIZE)
             .bind(json.clone())
             .execute(&mut **tx)
@@ -585,8 +587,10 @@ impl Dialect for MySql {
         let mut ids: Vec<i64> = writes.iter().map(|w| w.id).collect();
         ids.sort_unstable();
         // One statement per chunk of JSON small enough for the wire (each
-        // outcome about 180 bytes of JSON besides its texts), in id order.
-        let chunks = wire_chunks(writes, STATEMENT_BUDGET, 180, 0);
+        // outcome an array of about 65 bytes besides its texts, counted as
+        // 80 for longer ids, statuses and delays; a history row's fields
+        // about 30 more), in id order.
+        let chunks = wire_chunks(writes, STATEMENT_BUDGET, 80, 40);
         let mut tx = c.begin().await?;
         if write_outcomes(&mut tx, &chunks, true).await? {
             tx.commit().await?;

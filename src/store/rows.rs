@@ -609,41 +609,38 @@ where
         .collect()
 }
 
-/// Outcomes as one JSON array, for backends that take a batch as JSON
-/// (SQLite's `json_each`, MySQL's `JSON_TABLE`), with their history rows
-/// (`ev_*` fields, absent where none is written). Written straight from
-/// borrowed fields: built as `serde_json::Value` objects first (a map and a
-/// string per field) it was 14,000 instructions a mail.
+/// Outcomes as one JSON array of objects, for SQLite's `json_each`, with
+/// their history rows (`ev_*` fields, absent where none is written).
+/// Written straight from borrowed fields: built as `serde_json::Value`
+/// objects first (a map and a string per field) it was 14,000 instructions
+/// a mail.
 pub(crate) fn finalize_json(writes: &[super::Finalize]) -> String {
-    let items: Vec<OutcomeJson<'_>> = writes
+    let items: Vec<OutcomeJson<'_>> = writes.iter().map(OutcomeJson::of).collect();
+    serde_json::to_string(&items).expect("outcomes serialize to JSON")
+}
+
+/// Outcomes as one JSON array of arrays, for MySQL's `JSON_TABLE` (paths
+/// `$[0]` to `$[13]`, in [`OutcomeJson`]'s order; the five history fields
+/// only where a history row is written, a missing element reading as
+/// NULL; the history row's detail NULL where it is the error). MariaDB
+/// finds an object's member by comparing names one after another, for
+/// every column of every outcome; arrays are also half the octets, so a
+/// hundred outcomes fit one statement, not two. In drains of 50,000 on
+/// MariaDB 10.11, three pairs, its CPU per mail was lower in five of six
+/// (by 0–16 µs of about 100).
+pub(crate) fn finalize_rows_json(writes: &[super::Finalize]) -> String {
+    let items: Vec<OutcomeRow<'_>> = writes
         .iter()
-        .map(|w| {
-            let c = w.action.columns();
-            let event = w.event_columns();
-            OutcomeJson {
-                id: w.id,
-                lock: Displayed(w.lock),
-                status: c.status,
-                delay_ms: c.delay_ms,
-                error: c.error,
-                refund: c.refund as i32,
-                processed: c.processed as i32,
-                relay_down: c.relay_down as i32,
-                relay_reply: w.relay_reply.as_deref(),
-                ev_attempt: event.as_ref().map(|e| e.attempt),
-                ev_outcome: event.as_ref().map(|e| e.outcome),
-                ev_stage: event.as_ref().and_then(|e| e.stage),
-                ev_code: event.as_ref().and_then(|e| e.smtp_code),
-                ev_detail: event.as_ref().and_then(|e| e.detail),
-            }
+        .map(|w| OutcomeRow {
+            fields: OutcomeJson::of(w),
+            own_detail: w.event.as_ref().and_then(|e| e.detail.as_deref()),
         })
         .collect();
     serde_json::to_string(&items).expect("outcomes serialize to JSON")
 }
 
 /// One outcome of [`finalize_json`]. The history fields are absent rather
-/// than null where there is nothing: JSON_TABLE reads a missing path as SQL
-/// NULL on every MySQL and MariaDB.
+/// than null where there is nothing.
 #[derive(serde::Serialize)]
 struct OutcomeJson<'a> {
     id: i64,
@@ -665,6 +662,63 @@ struct OutcomeJson<'a> {
     ev_code: Option<i32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     ev_detail: Option<&'a str>,
+}
+
+impl<'a> OutcomeJson<'a> {
+    fn of(w: &'a super::Finalize) -> Self {
+        let c = w.action.columns();
+        let event = w.event_columns();
+        OutcomeJson {
+            id: w.id,
+            lock: Displayed(w.lock),
+            status: c.status,
+            delay_ms: c.delay_ms,
+            error: c.error,
+            refund: c.refund as i32,
+            processed: c.processed as i32,
+            relay_down: c.relay_down as i32,
+            relay_reply: w.relay_reply.as_deref(),
+            ev_attempt: event.as_ref().map(|e| e.attempt),
+            ev_outcome: event.as_ref().map(|e| e.outcome),
+            ev_stage: event.as_ref().and_then(|e| e.stage),
+            ev_code: event.as_ref().and_then(|e| e.smtp_code),
+            ev_detail: event.as_ref().and_then(|e| e.detail),
+        }
+    }
+}
+
+/// One outcome of [`finalize_rows_json`]: its fields as an array. The
+/// history row's detail only where it is not the outcome's error (the
+/// statement falls back to that), so that no text goes twice.
+struct OutcomeRow<'a> {
+    fields: OutcomeJson<'a>,
+    own_detail: Option<&'a str>,
+}
+
+impl serde::Serialize for OutcomeRow<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        let o = &self.fields;
+        let with_event = o.ev_outcome.is_some();
+        let mut row = serializer.serialize_tuple(if with_event { 14 } else { 9 })?;
+        row.serialize_element(&o.id)?;
+        row.serialize_element(&o.lock)?;
+        row.serialize_element(o.status)?;
+        row.serialize_element(&o.delay_ms)?;
+        row.serialize_element(&o.error)?;
+        row.serialize_element(&o.refund)?;
+        row.serialize_element(&o.processed)?;
+        row.serialize_element(&o.relay_down)?;
+        row.serialize_element(&o.relay_reply)?;
+        if with_event {
+            row.serialize_element(&o.ev_attempt)?;
+            row.serialize_element(&o.ev_outcome)?;
+            row.serialize_element(&o.ev_stage)?;
+            row.serialize_element(&o.ev_code)?;
+            row.serialize_element(&self.own_detail)?;
+        }
+        row.end()
+    }
 }
 
 /// A value serialized as the string its `Display` writes.
