@@ -71,15 +71,8 @@ mod a_claim_passes_over_rows_another_transaction_holds {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql() {
         if let Some(db) = TestDb::mysql().await {
-            let mut holder = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
-            // As an application would lock rows by id: through the primary
-            // key (on a table this small InnoDB would rather scan a secondary
-            // index), keeping the locks of the matching rows only.
-            holder
-                .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                .await
-                .unwrap();
-            the_claim_takes_the_next_rows(db, holder, " FORCE INDEX (PRIMARY)").await;
+            let holder = mysql_holder(&db).await;
+            the_claim_takes_the_next_rows(db, holder, MYSQL_BY_ID).await;
         }
     }
 
@@ -103,14 +96,7 @@ mod a_claim_passes_over_rows_another_transaction_holds {
             .into_iter()
             .map(|e| e.id)
             .collect();
-        let held = ids[..8]
-            .iter()
-            .map(i64::to_string)
-            .collect::<Vec<_>>()
-            .join(", ");
-        let hold = format!("SELECT id FROM mail_queue{by_id} WHERE id IN ({held}) FOR UPDATE");
-        holder.execute("BEGIN").await.unwrap();
-        holder.execute(sqlx::AssertSqlSafe(hold)).await.unwrap();
+        hold(&mut holder, by_id, &ids[..8]).await;
         let ids_of = |batch: Vec<QueuedMail>| {
             let mut ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
             ids.sort_unstable();
@@ -152,12 +138,8 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mysql() {
         if let Some(db) = TestDb::mysql().await {
-            let mut holder = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
-            holder
-                .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-                .await
-                .unwrap();
-            none_of_them_waits(db, holder, " FORCE INDEX (PRIMARY)").await;
+            let holder = mysql_holder(&db).await;
+            none_of_them_waits(db, holder, MYSQL_BY_ID).await;
         }
     }
 
@@ -175,14 +157,8 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
         }
         let ours = claimed(&db, 2).await;
         let theirs = claimed(&db, 2).await;
-        let held = theirs
-            .iter()
-            .map(|m| m.id.to_string())
-            .collect::<Vec<_>>()
-            .join(", ");
-        let hold = format!("SELECT id FROM mail_queue{by_id} WHERE id IN ({held}) FOR UPDATE");
-        holder.execute("BEGIN").await.unwrap();
-        holder.execute(sqlx::AssertSqlSafe(hold)).await.unwrap();
+        let theirs_ids: Vec<i64> = theirs.iter().map(|m| m.id).collect();
+        hold(&mut holder, by_id, &theirs_ids).await;
 
         let limit = Duration::from_secs(10);
         let held_locks: Vec<(i64, BatchLock)> = ours.iter().map(|m| (m.id, m.lock)).collect();
@@ -224,19 +200,13 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
         let stale = claimed(&db, 2).await;
         let mut stale_ids: Vec<i64> = stale.iter().map(|m| m.id).collect();
         stale_ids.sort_unstable();
-        let listed = stale_ids
-            .iter()
-            .map(i64::to_string)
-            .collect::<Vec<_>>()
-            .join(", ");
+        let listed = id_list(&stale_ids);
         db.exec(&format!(
             "UPDATE mail_queue SET locked_at = {} WHERE id IN ({listed})",
             db.minus("locked_at", 3600)
         ))
         .await;
-        let hold = format!("SELECT id FROM mail_queue{by_id} WHERE id IN ({held}) FOR UPDATE");
-        holder.execute("BEGIN").await.unwrap();
-        holder.execute(sqlx::AssertSqlSafe(hold)).await.unwrap();
+        hold(&mut holder, by_id, &theirs_ids).await;
         let released = tokio::time::timeout(
             limit,
             db.store.release_stale_locks(Duration::from_secs(60), &[]),
@@ -256,6 +226,45 @@ mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
             );
         }
     }
+}
+
+/// How the MariaDB holder locks rows: through the primary key (on a table
+/// this small InnoDB would rather scan a secondary index).
+const MYSQL_BY_ID: &str = " FORCE INDEX (PRIMARY)";
+
+/// A second MariaDB connection that locks rows by id as an application
+/// would, keeping the locks of the matching rows only (READ COMMITTED).
+async fn mysql_holder(db: &TestDb) -> sqlx::MySqlConnection {
+    use sqlx::{Connection, Executor};
+    let mut holder = sqlx::MySqlConnection::connect(&db.url).await.unwrap();
+    holder
+        .execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+        .await
+        .unwrap();
+    holder
+}
+
+/// `ids` as an SQL list, `1, 2, 3`.
+fn id_list(ids: &[i64]) -> String {
+    ids.iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Begins a transaction on `holder` that locks the rows `ids` (`by_id`:
+/// the backend's index hint, if any), until its ROLLBACK.
+async fn hold<C>(holder: &mut C, by_id: &str, ids: &[i64])
+where
+    for<'c> &'c mut C: sqlx::Executor<'c>,
+{
+    use sqlx::Executor;
+    let sql = format!(
+        "SELECT id FROM mail_queue{by_id} WHERE id IN ({}) FOR UPDATE",
+        id_list(ids)
+    );
+    holder.execute("BEGIN").await.unwrap();
+    holder.execute(sqlx::AssertSqlSafe(sql)).await.unwrap();
 }
 
 fn claim(limit: usize) -> Claim<'static> {

@@ -298,9 +298,10 @@ mod tests {
 
     /// MySQL's outcomes as arrays: the positions its `JSON_TABLE` paths
     /// read (`$[0]` … `$[13]`), the history fields only with a history row
-    /// (its detail NULL where it is the error), and no longer than the 80 octets besides the texts (40 more with a
-    /// history row) that [`wire_chunks`] counts for them, for ids of up to
-    /// fifteen digits and delays of up to a week.
+    /// (its detail NULL where it is the error), and no longer than the 80
+    /// octets besides the texts (40 more with a history row) that
+    /// [`wire_chunks`] counts for them, for ids of up to fifteen digits and
+    /// delays of up to a week.
     #[test]
     fn outcomes_as_arrays_are_in_place_and_within_their_count() {
         use crate::store::rows::finalize_rows_json;
