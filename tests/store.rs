@@ -32,6 +32,7 @@ for_each_backend!(
     a_large_group_commit_writes_every_outcome,
     a_group_commit_retried_after_a_lost_answer_finds_what_it_wrote,
     a_claim_whose_answer_was_lost_is_put_back_unspent,
+    claims_and_outcomes_of_every_size_take_each_row_once,
 );
 
 /// On the backends that fail over to a replica (PostgreSQL, MariaDB); SQLite
@@ -1400,6 +1401,78 @@ async fn errors_say_what_to_do(db: TestDb) {
         "{down:?}"
     );
     assert_eq!(down.summary(), "database unavailable");
+}
+
+/// Claims of every size from 1 to 33 rows (the lists of ids some backends
+/// write are padded to a few lengths with an id again), each followed by its
+/// outcomes, every other one a retry an hour later with a history row: each
+/// claim takes exactly its rows, no row twice, and each outcome and history
+/// row is written once.
+async fn claims_and_outcomes_of_every_size_take_each_row_once(db: TestDb) {
+    use tablemail::store::{Event, EventOutcome};
+    let total: usize = (1..=33).sum();
+    let mails: Vec<NewMail> = (0..total)
+        .map(|i| mail(&format!("u{i}@example.com"), "x"))
+        .collect();
+    db.store.enqueue(&mails).await.unwrap();
+    let mut seen = std::collections::HashSet::new();
+    let (mut sent, mut retried) = (0, 0);
+    for k in 1..=33 {
+        let batch = claimed(&db, k).await;
+        assert_eq!(batch.len(), k, "a claim of {k}");
+        for m in &batch {
+            assert!(seen.insert(m.id), "row {} claimed twice", m.id);
+        }
+        assert_eq!(db.count("status = 'sending'").await, k as i64);
+        let writes: Vec<Finalize> = batch
+            .iter()
+            .enumerate()
+            .map(|(i, m)| {
+                if i % 2 == 1 {
+                    return finalize(m, FinalAction::Sent);
+                }
+                let retry = FinalAction::Retry {
+                    delay: Duration::from_secs(3600),
+                    error: "RCPT TO: 451 4.3.0 busy".into(),
+                    relay_down: false,
+                };
+                let mut w = finalize(m, retry);
+                w.event = Some(Event {
+                    attempt: m.attempts,
+                    outcome: EventOutcome::Retry,
+                    stage: Some("rcpt"),
+                    smtp_code: Some(451),
+                    detail: None,
+                });
+                w
+            })
+            .collect();
+        let mut written = db.store.finalize(&writes).await.unwrap();
+        written.sort_unstable();
+        let mut ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
+        ids.sort_unstable();
+        assert_eq!(written, ids, "the outcomes of a claim of {k}");
+        retried += (k as i64 + 1) / 2;
+        sent += k as i64 / 2;
+        assert_eq!(db.count("status = 'sent'").await, sent);
+        assert_eq!(db.count("status = 'queued'").await, total as i64 - sent);
+        assert_eq!(db.count("status = 'sending'").await, 0);
+    }
+    assert_eq!(seen.len(), total);
+    assert!(
+        claimed(&db, 10).await.is_empty(),
+        "the retries are an hour away"
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM mail_event WHERE outcome = 'retry'")
+            .await,
+        retried
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(DISTINCT mail_id) FROM mail_event")
+            .await,
+        retried
+    );
 }
 
 /// A group commit larger than one statement carries (it goes in several,

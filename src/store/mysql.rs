@@ -27,7 +27,7 @@ use super::{
     insert::{insert_attachments, insert_columns, insert_query},
     migrations::MYSQL,
     rows::{self, finalize_rows_json, held_json, locks_json},
-    shared::{self, portable, Queries, Shared},
+    shared::{self, id_list_len, portable, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Finished, NewMail,
     QueuedMail, Result, StaleRow,
 };
@@ -83,18 +83,25 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<MyS
     })
 }
 
-/// `(?, ?, …)` for an IN list of `n` values.
+/// `(?, ?, …)` for an IN list of `n` ids, with [`id_list_len`]`(n)` places:
+/// few texts for lists of any length (why: there).
 fn in_list(n: usize) -> String {
-    format!("({})", vec!["?"; n].join(", "))
+    format!("({})", vec!["?"; id_list_len(n)].join(", "))
 }
 
-/// Binds the ids of an IN list.
+/// Binds the ids of an IN list written by [`in_list`]`(ids.len())`, the
+/// last id again in the places beyond them.
 fn bind_ids<'q>(
     mut query: sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>,
     ids: &[i64],
 ) -> sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments> {
     for id in ids {
         query = query.bind(*id);
+    }
+    if let Some(&last) = ids.last() {
+        for _ in ids.len()..id_list_len(ids.len()) {
+            query = query.bind(last);
+        }
     }
     query
 }

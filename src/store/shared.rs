@@ -22,6 +22,22 @@ pub(crate) fn micros(d: Duration) -> i64 {
     d.as_micros().min(i64::MAX as u128) as i64
 }
 
+/// How many ids an IN list of `n` ids is written with: `n` rounded up to a
+/// power of two, the places beyond `n` taken by the last id again (an id
+/// twice in an IN list matches its row once). A statement's text is the key
+/// of the prepared statements each connection keeps (sqlx keeps 100): with
+/// lists of every length, claims and outcomes of varied sizes made a new
+/// statement nearly every time, each one prepared in a round trip of its
+/// own, and once the cache was full each one closed an older one. On
+/// MariaDB that close (`COM_STMT_CLOSE`) has no reply, and sqlx's sockets
+/// send with Nagle's algorithm, so the next command waited for the
+/// server's delayed acknowledgement: 40 ms, several times in every claim
+/// and outcome. With these lengths a batch size of up to 10,000 makes at
+/// most 15 texts of each statement.
+pub(crate) fn id_list_len(n: usize) -> usize {
+    n.max(1).next_power_of_two()
+}
+
 /// The SQL of the operations every backend shares. Parameters come in the
 /// order given, each used once; durations in the backend's unit, lock GUIDs
 /// and daemon ids as text.
@@ -144,5 +160,28 @@ impl<DB: Database> Shared<DB> {
         work: impl for<'c> FnOnce(&'c mut DB::Connection) -> BoxFuture<'c, Result<T, sqlx::Error>>,
     ) -> Result<T> {
         within(&self.pool, self.deadline, work).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::id_list_len;
+
+    #[test]
+    fn id_lists_come_in_few_lengths_each_with_room_for_its_ids() {
+        let lengths: std::collections::BTreeSet<usize> = (1..=10_000).map(id_list_len).collect();
+        assert!(
+            lengths.len() <= 15,
+            "{} lengths: {lengths:?}",
+            lengths.len()
+        );
+        for n in 1..=10_000 {
+            let len = id_list_len(n);
+            // Room for every id, and never twice the ids or more.
+            assert!(
+                len >= n && (n == 1 || len < 2 * n),
+                "{n} ids in a list of {len}"
+            );
+        }
     }
 }

@@ -156,6 +156,11 @@ where
         if ids.is_empty() {
             return Ok(Vec::new());
         }
+        // A list of few lengths, the last id again in the places beyond the
+        // ids (`id_list_len`: why).
+        let mut ids = ids.to_vec();
+        let last = ids[ids.len() - 1];
+        ids.resize(super::shared::id_list_len(ids.len()), last);
         let placeholders: Vec<String> = (1..=ids.len())
             .map(self.shared.queries.placeholder)
             .collect();
@@ -163,7 +168,6 @@ where
             "SELECT id, status FROM mail_queue WHERE thread_lock IS NULL AND id IN ({})",
             placeholders.join(", ")
         );
-        let ids = ids.to_vec();
         self.shared
             .run(|c| {
                 Box::pin(async move {
