@@ -404,9 +404,14 @@ impl BenchDb {
         db
     }
 
+    /// Runs `sql` as text, not prepared: the inserts of the latency
+    /// figures are each a statement of their own, and sqlx keeps 100
+    /// prepared; on MariaDB each one past those closes an older one, and
+    /// the next command waits for the server's delayed acknowledgement
+    /// (40 ms; `store::shared::id_list_len` says why).
     async fn exec(&self, sql: &str) {
         let sql = AssertSqlSafe(sql.to_string());
-        on_pool!(&self.pool, p => sqlx::query(sql).execute(p).await.map(|_| ()))
+        on_pool!(&self.pool, p => sqlx::raw_sql(sql).execute(p).await.map(|_| ()))
             .unwrap_or_else(|e| panic!("{e}"));
     }
 
@@ -1037,6 +1042,29 @@ fn unix_now() -> f64 {
         .as_secs_f64()
 }
 
+/// The pauses between the latency figures' inserts: 15 to 115 ms, drawn
+/// anew each time (a fixed sequence of numbers, the same in every run).
+/// Each insert follows the last one's arrival, which a daemon that looks
+/// for new rows every 100 ms (MariaDB's) sends just after a look: pauses
+/// shorter than that interval, or in a rhythm, put every insert at the same
+/// few places in it, and the figures said the wait for the next look was
+/// 52–82 ms where it is anything from 0 to 100.
+struct Gaps(u64);
+
+impl Gaps {
+    fn new(seed: i64) -> Gaps {
+        Gaps(0x9E37_79B9_7F4A_7C15 ^ seed as u64)
+    }
+
+    fn next(&mut self) -> Duration {
+        // xorshift64
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        Duration::from_micros(15_000 + self.0 % 100_000)
+    }
+}
+
 /// Inserts one mail at a time into an idle daemon; milliseconds from the
 /// INSERT's commit until the SMTP server has the mail, sorted, and the
 /// median time the INSERT itself took.
@@ -1044,11 +1072,9 @@ async fn pickup(db: &BenchDb, sink: &Sink, samples: usize) -> (Vec<f64>, f64) {
     let mut latencies = Vec::with_capacity(samples);
     let mut inserts = Vec::with_capacity(samples);
     let already = sink.messages();
+    let mut gaps = Gaps::new(i64::try_from(samples).unwrap_or(0));
     for i in 0..samples {
-        // Let the daemon go idle between samples, for 15 to 45 ms in no
-        // fixed rhythm, so that the inserts fall anywhere in a watcher's or
-        // poller's interval.
-        tokio::time::sleep(Duration::from_millis(15 + (i * 13 % 31) as u64)).await;
+        tokio::time::sleep(gaps.next()).await;
         let before = unix_now();
         db.exec(&format!(
             "INSERT INTO mail_queue (to_address, subject, body) VALUES ('lat{i}@example.com', 'latency {i}', 'x')"
@@ -1076,6 +1102,8 @@ struct Latency {
     how: String,
     notify: Vec<f64>,
     insert_ms: f64,
+    /// [`batches`].
+    batches: Vec<f64>,
     polled: Vec<f64>,
 }
 
@@ -1098,6 +1126,7 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
     // Warm the connection pools on both sides.
     pickup(&db, &sink, 5).await;
     let (notify, insert_ms) = pickup(&db, &sink, samples).await;
+    let batches = batches(&db, &sink, 100).await;
     let polled = if db.backend == Backend::Postgres {
         // Without the trigger, only worker.poll_interval (1s) finds new rows.
         db.exec("DROP TRIGGER mail_queue_notify ON mail_queue")
@@ -1112,8 +1141,43 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
         how,
         notify,
         insert_ms,
+        batches,
         polled,
     }
+}
+
+/// Batches of 1 to `largest` rows, each inserted in one statement into an
+/// idle daemon once the one before was sent: milliseconds from a batch's
+/// commit until the SMTP server has all its mails, sorted. Claims and
+/// outcomes of every size, as a queue fed by many applications sees them
+/// (a drain's claims are all of one size, a pickup's of one row).
+async fn batches(db: &BenchDb, sink: &Sink, largest: usize) -> Vec<f64> {
+    let mut latencies = Vec::with_capacity(largest);
+    let mut gaps = Gaps::new(-1);
+    for k in 1..=largest {
+        tokio::time::sleep(gaps.next()).await;
+        let already = sink.messages();
+        let values: Vec<String> = (0..k)
+            .map(|i| format!("('b{k}.{i}@example.com', 'batch {k}', 'x')"))
+            .collect();
+        db.exec(&format!(
+            "INSERT INTO mail_queue (to_address, subject, body) VALUES {}",
+            values.join(", ")
+        ))
+        .await;
+        let committed = unix_now();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let arrived = loop {
+            if let Some(t) = sink.arrival(already + k - 1) {
+                break t;
+            }
+            assert!(Instant::now() < deadline, "batch {k} never arrived whole");
+            tokio::time::sleep(Duration::from_micros(200)).await;
+        };
+        latencies.push((arrived - committed) * 1000.0);
+    }
+    latencies.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    latencies
 }
 
 /// Median milliseconds of a 100-row claim over `rounds` claims.
@@ -1445,6 +1509,13 @@ async fn main() {
         line(
             "  the INSERT's own commit (median)",
             format!("{:.2} ms", l.insert_ms),
+        );
+        line(
+            format!(
+                "batches of 1 to {} rows, to the last one sent",
+                l.batches.len()
+            ),
+            ms(&l.batches),
         );
         if !l.polled.is_empty() {
             line(
