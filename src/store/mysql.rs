@@ -659,10 +659,12 @@ impl Dialect for MySql {
             .map(StaleRow::from_row)
             .collect::<Result<Vec<_>, _>>()?;
         let ids: Vec<i64> = stale.iter().map(|r| r.id).collect();
-        if !ids.is_empty() {
+        // In pieces: a statement takes at most 65,535 parameters, and the
+        // rows of many daemons gone at once could be more.
+        for ids in ids.chunks(4096) {
             for sql in [RELEASE_STALE, STALE_EVENTS] {
                 let statement = sqlx::query(AssertSqlSafe(format!("{sql}{}", in_list(ids.len()))));
-                bind_ids(statement, &ids).execute(&mut *tx).await?;
+                bind_ids(statement, ids).execute(&mut *tx).await?;
             }
         }
         tx.commit().await?;
