@@ -18,7 +18,8 @@
 //!   mail as ratios; `--skip-bodies` leaves it out);
 //! - pickup latency: one insert at a time into an idle daemon, from its
 //!   commit until `smtp-sink` has the mail (it prints its counter the moment
-//!   "." arrives); with the backend's wake-up, then (PostgreSQL) by polling;
+//!   "." arrives); with the backend's wake-up, then (PostgreSQL) by polling,
+//!   (MariaDB) looking every 2 ms, with an idle daemon's CPU a second;
 //! - claim cost: 10k due rows; 50k rows of 2 KB and 1M rows of 200 bytes from
 //!   a burst, before and after ANALYZE; 10k due beside 1M finished rows;
 //! - with `--soak 30m`: throughput per minute under constant load;
@@ -1105,11 +1106,32 @@ struct Latency {
     /// [`batches`].
     batches: Vec<f64>,
     polled: Vec<f64>,
+    /// MariaDB: pickups with looks every [`FAST_LOOK`].
+    fast_look: Vec<f64>,
+    /// MariaDB: what an idle daemon costs, in CPU milliseconds a second
+    /// (the daemon's, the server's), looking every 100 ms (the default) and
+    /// every [`FAST_LOOK`].
+    idle: Vec<(&'static str, f64, f64)>,
+}
+
+/// The look interval set beside MariaDB's default (`database.look_interval`).
+const FAST_LOOK: &str = "2ms";
+
+/// CPU milliseconds a second of an idle `daemon` and of the database server
+/// over five seconds.
+async fn idle_cost(daemon: &Daemon, backend: Backend) -> (f64, f64) {
+    let window = Duration::from_secs(5);
+    let (d0, s0) = (daemon.usage().0, server_cpu(backend));
+    tokio::time::sleep(window).await;
+    let (d1, s1) = (daemon.usage().0, server_cpu(backend));
+    let per_second = |cpu: f64| cpu * 1000.0 / window.as_secs_f64();
+    (per_second(d1 - d0), per_second(s1 - s0))
 }
 
 /// Pickup latency into an idle daemon: with its wake-up (NOTIFY on
 /// PostgreSQL, `data_version` on SQLite, the newest id on MariaDB), then, on
-/// PostgreSQL, by polling alone.
+/// PostgreSQL, by polling alone, and on MariaDB looking every [`FAST_LOOK`],
+/// with what an idle daemon costs looking each way.
 async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
     let db = BenchDb::create(setup.target, setup.tablemail, setup.dir).await;
     let sink = Sink::start();
@@ -1127,15 +1149,30 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
     pickup(&db, &sink, 5).await;
     let (notify, insert_ms) = pickup(&db, &sink, samples).await;
     let batches = batches(&db, &sink, 100).await;
-    let polled = if db.backend == Backend::Postgres {
+    let (mut polled, mut fast_look, mut idle) = (Vec::new(), Vec::new(), Vec::new());
+    if db.backend == Backend::Postgres {
         // Without the trigger, only worker.poll_interval (1s) finds new rows.
         db.exec("DROP TRIGGER mail_queue_notify ON mail_queue")
             .await;
-        pickup(&db, &sink, 30).await.0
-    } else {
-        Vec::new()
-    };
+        polled = pickup(&db, &sink, 30).await.0;
+    }
+    if db.backend == Backend::Mysql {
+        let (d, s) = idle_cost(&daemon, db.backend).await;
+        idle.push(("100ms", d, s));
+    }
     daemon.stop();
+    if db.backend == Backend::Mysql {
+        // No NOTIFY: the pickup is the look's to make, and the look costs
+        // the more the more often it looks.
+        let mut env = env.clone();
+        env.push(("TABLEMAIL__DATABASE__LOOK_INTERVAL", FAST_LOOK.into()));
+        let fast = Daemon::start(setup.tablemail, setup.dir, "latency-fast-look", &env);
+        pickup(&db, &sink, 5).await;
+        fast_look = pickup(&db, &sink, samples).await.0;
+        let (d, s) = idle_cost(&fast, db.backend).await;
+        idle.push((FAST_LOOK, d, s));
+        fast.stop();
+    }
     db.drop_db().await;
     Latency {
         how,
@@ -1143,6 +1180,8 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
         insert_ms,
         batches,
         polled,
+        fast_look,
+        idle,
     }
 }
 
@@ -1521,6 +1560,21 @@ async fn main() {
             line(
                 format!("pickup p50 / p99, polling 1s ({} samples)", l.polled.len()),
                 ms(&l.polled),
+            );
+        }
+        if !l.fast_look.is_empty() {
+            line(
+                format!(
+                    "pickup p50 / p99, looking every {FAST_LOOK} ({} samples)",
+                    l.fast_look.len()
+                ),
+                ms(&l.fast_look),
+            );
+        }
+        for (every, daemon, server) in &l.idle {
+            line(
+                format!("  idle, looking every {every}: daemon / server CPU a second"),
+                format!("{daemon:.1} / {server:.1} ms"),
             );
         }
     }

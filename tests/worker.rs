@@ -424,3 +424,60 @@ async fn an_idle_daemon_wakes_for_an_insert(db: TestDb) {
     assert_eq!(daemon.wait_exit(Duration::from_secs(20)).await, 0);
     assert_eq!(db.count("status = 'sent'").await, 3);
 }
+
+/// MariaDB has no NOTIFY: an idle daemon looks for a new newest row every
+/// `database.look_interval`, and that is the operator's to set. Looking
+/// once an hour (and polling once a minute), an idle daemon leaves a new
+/// mail waiting; started again looking every 10 ms, it sends it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_an_idle_daemon_looks_as_often_as_it_is_told() {
+    let Some(db) = TestDb::mysql().await else {
+        return;
+    };
+    let smtp = SmtpServer::start(&[]);
+    let insert = |i: usize| {
+        format!("INSERT INTO mail_queue (to_address, subject, body) VALUES ('a{i}@example.com', 'mail {i}', 'Hello')")
+    };
+    let rarely = [
+        ("TABLEMAIL__WORKER__POLL_INTERVAL", "60s"),
+        ("TABLEMAIL__DATABASE__LOOK_INTERVAL", "1h"),
+    ];
+    db.exec(&insert(0)).await;
+    let mut daemon = Daemon::start(daemon_env(&db, &smtp.url(), &rarely));
+    // Sent by the claim at start; the first look (at start too) is long
+    // done a second later, and the next is an hour away.
+    eventually("mail 0 sent at start", Duration::from_secs(20), || async {
+        smtp.received().len() == 1
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    db.exec(&insert(1)).await;
+    let until = tokio::time::Instant::now() + Duration::from_secs(3);
+    while tokio::time::Instant::now() < until {
+        assert_eq!(smtp.received().len(), 1, "mail 1 sent without a look");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(20)).await, 0);
+    assert_eq!(db.count("status = 'queued'").await, 1);
+
+    // Looking every 10 ms, the mail inserted after the start is found.
+    let often = [
+        ("TABLEMAIL__WORKER__POLL_INTERVAL", "60s"),
+        ("TABLEMAIL__DATABASE__LOOK_INTERVAL", "10ms"),
+    ];
+    let mut daemon = Daemon::start(daemon_env(&db, &smtp.url(), &often));
+    daemon
+        .wait_for_log("worker started", Duration::from_secs(20))
+        .await;
+    db.exec(&insert(2)).await;
+    eventually(
+        "mails 1 and 2 sent by a daemon looking every 10 ms",
+        Duration::from_secs(10),
+        || async { smtp.received().len() == 3 },
+    )
+    .await;
+    daemon.signal("TERM");
+    assert_eq!(daemon.wait_exit(Duration::from_secs(20)).await, 0);
+    assert_eq!(db.count("status = 'sent'").await, 3);
+}

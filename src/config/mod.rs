@@ -129,6 +129,9 @@ impl Settings {
         if self.database.statement_timeout < Duration::from_secs(1) {
             return Err(invalid("database.statement_timeout", "must be at least 1s"));
         }
+        if self.database.look_interval < Duration::from_millis(1) {
+            return Err(invalid("database.look_interval", "must be at least 1ms"));
+        }
         if self.transport.password.is_some() && self.transport.password_file.is_some() {
             return Err(invalid(
                 "transport.password_file",
@@ -278,6 +281,7 @@ mod tests {
         assert_eq!(s.worker.concurrency, 16);
         assert_eq!(s.worker.batch_size, 100);
         assert_eq!(s.worker.lock_timeout, Duration::from_secs(300));
+        assert_eq!(s.database.look_interval, Duration::from_millis(100));
         assert_eq!(s.worker.ambiguous, Ambiguous::Resend);
         assert_eq!(s.retention.failed, Duration::from_secs(30 * 86400));
         assert_eq!(s.log.format, LogFormat::Json);
@@ -292,10 +296,12 @@ mod tests {
                 ("TABLEMAIL__WORKER__RETRY_BASE", "5s"),
                 ("TABLEMAIL__TRANSPORT__MAX_MESSAGE_SIZE", "1MiB"),
                 ("TABLEMAIL__DATABASE__URL", "postgres://u@h/db"),
+                ("TABLEMAIL__DATABASE__LOOK_INTERVAL", "2ms"),
                 ("OTHER__WORKER__CONCURRENCY", "9"),
             ]),
         )
         .unwrap();
+        assert_eq!(s.database.look_interval, Duration::from_millis(2));
         assert_eq!(s.worker.concurrency, 4);
         assert_eq!(s.worker.retry_base, Duration::from_secs(5));
         assert_eq!(s.transport.max_message_size, ByteSize(1 << 20));
@@ -376,6 +382,14 @@ mod tests {
         .to_string();
         assert!(
             err.contains("database.password_file: cannot read /nonexistent/db-password"),
+            "{err}"
+        );
+        // A look interval of zero would look without pause.
+        let err = Settings::load_from(None, env(&[("TABLEMAIL__DATABASE__LOOK_INTERVAL", "0s")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("database.look_interval: must be at least 1ms"),
             "{err}"
         );
     }

@@ -61,6 +61,10 @@ pub struct DatabaseSettings {
     /// `transport.password_file` (systemd credentials, container secrets);
     /// it overrides a password in `url`.
     pub password_file: Option<PathBuf>,
+    /// MySQL/MariaDB (no NOTIFY): how often an idle daemon looks for a new
+    /// newest row; default 100ms. Ignored by the other backends.
+    #[serde(with = "humantime_serde")]
+    pub look_interval: Duration,
 }
 
 impl Default for DatabaseSettings {
@@ -71,6 +75,7 @@ impl Default for DatabaseSettings {
             migrate: true,
             statement_timeout: Duration::from_secs(30),
             password_file: None,
+            look_interval: crate::store::DEFAULT_LOOK_INTERVAL,
         }
     }
 }
@@ -92,6 +97,7 @@ impl DatabaseSettings {
                 max_connections: self.max_connections,
                 statement_timeout: self.statement_timeout,
                 password,
+                look_interval: self.look_interval,
             },
         )
         .await

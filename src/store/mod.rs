@@ -99,7 +99,18 @@ pub struct ConnectOptions {
     pub statement_timeout: Duration,
     /// Overrides the URL's password (`database.password_file`).
     pub password: Option<secrecy::SecretString>,
+    /// MySQL/MariaDB: how often an idle daemon looks for new rows
+    /// (`database.look_interval`); the other backends are told at once.
+    pub look_interval: Duration,
 }
+
+/// `database.look_interval` unless set. A look costs MariaDB (10.11) about
+/// 25 µs of CPU and the daemon about 40 µs (2026-11-28, the project's
+/// machine), so an idle daemon looking every 100 ms costs about 0.2% of a
+/// core on each side (with its other idle work) for pickups within about
+/// 100 ms; every 2 ms, pickups within about 3 ms for 1.2% of a core in the
+/// server and 2.1% in the daemon (README, "Wake-up on MariaDB").
+pub const DEFAULT_LOOK_INTERVAL: Duration = Duration::from_millis(100);
 
 impl ConnectOptions {
     pub fn new(max_connections: u32) -> Self {
@@ -107,6 +118,7 @@ impl ConnectOptions {
             max_connections,
             statement_timeout: Duration::from_secs(30),
             password: None,
+            look_interval: DEFAULT_LOOK_INTERVAL,
         }
     }
 }

@@ -6,7 +6,8 @@
 //! `JSON_TABLE` of the outcomes (arrays) to their rows by id, in that order.
 //! Rows are always locked in id order (finalize and lock renewal alike), so
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
-//! NOTIFY, so an idle daemon looks for a new newest id every 100 ms.
+//! NOTIFY, so an idle daemon looks for a new newest id every
+//! `database.look_interval` (100 ms unless set).
 //! Retention picks the rows it deletes by a plain read and deletes them by
 //! id. About 800 lines: its SQL, each statement with its reason.
 
@@ -33,9 +34,10 @@ use super::{
 };
 
 /// MySQL's and MariaDB's own ways; it keeps the connect options for the
-/// wake-up's own connection.
+/// wake-up's own connection, and how often it looks.
 pub(crate) struct MySql {
     options: MySqlConnectOptions,
+    look_every: Duration,
 }
 
 pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<MySql>> {
@@ -79,7 +81,10 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<MyS
     );
     Ok(SqlStore {
         shared: Shared::new::<MySql>(pool, options.statement_timeout, MYSQL, "BEGIN"),
-        dialect: MySql { options: connect },
+        dialect: MySql {
+            options: connect,
+            look_every: options.look_interval,
+        },
     })
 }
 
@@ -483,12 +488,6 @@ async fn write_outcomes(
 // claims of `worker.poll_interval`, as before.
 const NEWEST: &str = "SELECT MAX(id) FROM mail_queue";
 
-/// How often an idle daemon looks for new rows. A look costs MariaDB about
-/// 0.2 ms of CPU (10.11, measured on the project's machine), so an idle
-/// daemon costs the server about 0.2% of a core; looking every 25 ms would
-/// cost four times that for pickups 75 ms sooner.
-const LOOK_EVERY: Duration = Duration::from_millis(100);
-
 /// How deep a claim looks past rows other claims hold, in batches.
 const HEAD_DEPTH: i64 = 64;
 
@@ -754,8 +753,9 @@ impl Dialect for MySql {
         cancel: CancellationToken,
     ) -> Option<&'static str> {
         let (options, deadline) = (self.options.clone(), shared.deadline);
+        let every = self.look_every;
         tokio::spawn(async move {
-            let mut looks = tokio::time::interval(LOOK_EVERY);
+            let mut looks = tokio::time::interval(every);
             looks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             // A connection of its own: a look is one round trip, without a
             // place to wait for in the pool nor a test on its way back.
