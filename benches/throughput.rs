@@ -1111,7 +1111,7 @@ struct Latency {
     /// MariaDB: what an idle daemon costs, in CPU milliseconds a second
     /// (the daemon's, the server's), looking every 100 ms (the default) and
     /// every [`FAST_LOOK`].
-    idle: Vec<(&'static str, f64, f64)>,
+    idle: Vec<(String, f64, f64)>,
 }
 
 /// The look interval set beside MariaDB's default (`database.look_interval`).
@@ -1158,7 +1158,8 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
     }
     if db.backend == Backend::Mysql {
         let (d, s) = idle_cost(&daemon, db.backend).await;
-        idle.push(("100ms", d, s));
+        let default = humantime::format_duration(tablemail::store::DEFAULT_LOOK_INTERVAL);
+        idle.push((default.to_string(), d, s));
     }
     daemon.stop();
     if db.backend == Backend::Mysql {
@@ -1170,7 +1171,7 @@ async fn latency(setup: &Setup<'_>, samples: usize) -> Latency {
         pickup(&db, &sink, 5).await;
         fast_look = pickup(&db, &sink, samples).await.0;
         let (d, s) = idle_cost(&fast, db.backend).await;
-        idle.push((FAST_LOOK, d, s));
+        idle.push((FAST_LOOK.to_string(), d, s));
         fast.stop();
     }
     db.drop_db().await;

@@ -391,6 +391,11 @@ async fn many_mails_each_received_exactly_once(db: TestDb) {
     assert_eq!(db.count("status = 'sent' AND attempts = 1").await, 300);
 }
 
+/// The application's own INSERT of mail `i`, as SQL.
+fn insert(i: usize) -> String {
+    format!("INSERT INTO mail_queue (to_address, subject, body) VALUES ('a{i}@example.com', 'mail {i}', 'Hello')")
+}
+
 /// An idle daemon notices a new row at once (NOTIFY on PostgreSQL, a write
 /// to the file on SQLite, a new newest id on MariaDB), not at its next poll:
 /// with a poll interval of a minute, a mail inserted into an idle daemon is
@@ -406,9 +411,6 @@ async fn an_idle_daemon_wakes_for_an_insert(db: TestDb) {
         .wait_for_log("worker started", Duration::from_secs(20))
         .await;
     assert_ne!(started["wakeup"], "poll", "{started}");
-    let insert = |i: usize| {
-        format!("INSERT INTO mail_queue (to_address, subject, body) VALUES ('a{i}@example.com', 'mail {i}', 'Hello')")
-    };
     // The first may come before the daemon's first claim; once it is sent,
     // the daemon is idle and only its wake-up can find the next ones.
     for i in 0..3 {
@@ -435,9 +437,6 @@ async fn mysql_an_idle_daemon_looks_as_often_as_it_is_told() {
         return;
     };
     let smtp = SmtpServer::start(&[]);
-    let insert = |i: usize| {
-        format!("INSERT INTO mail_queue (to_address, subject, body) VALUES ('a{i}@example.com', 'mail {i}', 'Hello')")
-    };
     let rarely = [
         ("TABLEMAIL__WORKER__POLL_INTERVAL", "60s"),
         ("TABLEMAIL__DATABASE__LOOK_INTERVAL", "1h"),
