@@ -1139,8 +1139,29 @@ async fn mysql_the_stale_lock_sweep_reads_the_rows_in_flight_only() {
     .await;
     db.exec_script("ANALYZE TABLE mail_queue").await;
 
-    // Rows read, per table, counted by the server (MariaDB's user
-    // statistics; a switch of the server's, set for this test's reading).
+    let (released, read) = mysql_rows_read(
+        &db,
+        db.store.release_stale_locks(Duration::from_secs(60), &[]),
+    )
+    .await;
+    let released = released.unwrap();
+
+    let mut ids: Vec<i64> = released.iter().map(|r| r.id).collect();
+    ids.sort_unstable();
+    assert_eq!(ids, [held[0].id, held[1].id]);
+    assert_eq!(db.count("status = 'sending'").await, 3);
+    assert!(
+        read <= 50,
+        "the sweep read {read} rows of a table of 20,005 with 5 in flight"
+    );
+}
+
+/// The rows of `mail_queue` the server read while `work` ran, counted by
+/// MariaDB's user statistics: a switch of the server's, on only for the
+/// reading and for one test at a time.
+async fn mysql_rows_read<T>(db: &TestDb, work: impl std::future::Future<Output = T>) -> (T, i64) {
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _one = ONE_AT_A_TIME.lock().await;
     let was_on = db
         .scalar_i64("SELECT CAST(@@global.userstat AS SIGNED)")
         .await;
@@ -1152,24 +1173,63 @@ async fn mysql_the_stale_lock_sweep_reads_the_rows_in_flight_only() {
         )
     };
     let before = rows_read().await;
-    let released = db
-        .store
-        .release_stale_locks(Duration::from_secs(60), &[])
-        .await
-        .unwrap();
+    let out = work.await;
     let read = rows_read().await - before;
     if was_on == 0 {
         db.exec("SET GLOBAL userstat = 0").await;
     }
+    (out, read)
+}
 
-    let mut ids: Vec<i64> = released.iter().map(|r| r.id).collect();
-    ids.sort_unstable();
-    assert_eq!(ids, [held[0].id, held[1].id]);
-    assert_eq!(db.count("status = 'sending'").await, 3);
+/// MariaDB has no partial indexes; its retention index holds finished rows
+/// only by its key, the row's status once finished and NULL before (a
+/// generated column, migration 0007, so that claims never move a row's
+/// entry in it), and the column stays out of the table's visible columns.
+/// A purge of 50 old sent rows beside 20,000 recent sent rows and 20,000
+/// queued ones reads the rows it deletes, not every sent row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_retention_reads_the_rows_it_deletes() {
+    let Some(db) = TestDb::mysql().await else {
+        return;
+    };
+    for (status, age_days, rows) in [("sent", 10, 50), ("sent", 0, 20_000), ("queued", 0, 20_000)] {
+        db.exec(&format!(
+            "INSERT INTO mail_queue (to_address, subject, body, status, processed_at) \
+             SELECT CONCAT('r', seq, '@example.com'), 's', 'b', '{status}', \
+                    CASE WHEN '{status}' = 'sent' \
+                         THEN UTC_TIMESTAMP(6) - INTERVAL {age_days} DAY END \
+             FROM seq_1_to_{rows}"
+        ))
+        .await;
+    }
+    db.exec_script("ANALYZE TABLE mail_queue").await;
+
+    let (purged, read) = mysql_rows_read(
+        &db,
+        db.store.purge(
+            Duration::from_secs(7 * 86_400),
+            Duration::from_secs(30 * 86_400),
+            1000,
+        ),
+    )
+    .await;
+    assert_eq!(purged.unwrap(), 50);
+    assert_eq!(db.count("status = 'sent'").await, 20_000);
+    assert_eq!(db.count("status = 'queued'").await, 20_000);
     assert!(
-        read <= 50,
-        "the sweep read {read} rows of a table of 20,005 with 5 in flight"
+        (50..=200).contains(&read),
+        "the purge read {read} rows to delete 50 of 40,050"
     );
+
+    let visible = db
+        .strings(
+            "SELECT COLUMN_NAME FROM information_schema.COLUMNS \
+             WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'mail_queue' \
+               AND EXTRA NOT LIKE '%INVISIBLE%'",
+        )
+        .await;
+    assert!(!visible.iter().any(|c| c == "finished_status"));
+    assert_eq!(visible.len(), 26, "the table's columns: {visible:?}");
 }
 
 /// Retention beside a claim on MariaDB: the first queued row is being stamped

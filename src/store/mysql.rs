@@ -8,8 +8,9 @@
 //! two daemons never deadlock. Times are UTC `DATETIME(6)`; there is no
 //! NOTIFY, so an idle daemon looks for a new newest id every
 //! `database.look_interval` (100 ms unless set).
-//! Retention picks the rows it deletes by a plain read and deletes them by
-//! id. About 800 lines: its SQL, each statement with its reason.
+//! Retention picks the rows it deletes by a plain read of its index, which
+//! holds finished rows only (keyed on a generated column, NULL before a row
+//! is finished, in place of a partial index), and deletes them by id. About 800 lines: its SQL, each statement with its reason.
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
@@ -202,7 +203,7 @@ SELECT id, status, thread_lock FROM mail_queue FORCE INDEX (PRIMARY) WHERE id IN
 /// then each row through the primary key, so that rows are locked one by one
 /// in the outcomes' order (by id) and no other row is read. Left to choose,
 /// MariaDB 10.11 read the rows in flight first, through the `status` prefix
-/// of the pending or the retention index, whenever it guessed fewer of them
+/// of the pending index, whenever it guessed fewer of them
 /// than the forty it guesses for a JSON_TABLE (a quiet queue: 3 to 150 rows
 /// in flight among 3,000 sent ones); a multi-table UPDATE locks each row it
 /// reads, so an outcome waited for every other batch's rows in flight, and
@@ -375,16 +376,19 @@ SET status = 'queued', thread_lock = NULL, locked_at = NULL,
     attempts = attempts - 1, attempts_remaining = attempts_remaining + 1
 WHERE thread_lock = ? AND status = 'sending'
 "#,
-    // Ids only: `MySql::purge` deletes them by id.
+    // Ids only: `MySql::purge` deletes them by id. The retention index is
+    // keyed on `finished_status`, the row's status once it is finished and
+    // NULL before (migration 0007): a claim and a retry leave its entry alone.
     purge_sent: r#"
 SELECT id FROM mail_queue
-WHERE status = 'sent' AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+WHERE finished_status = 'sent' AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
 ORDER BY processed_at
 LIMIT ?
 "#,
     purge_failed: r#"
 SELECT id FROM mail_queue
-WHERE status IN ('failed', 'cancelled') AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+WHERE finished_status IN ('failed', 'cancelled')
+  AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
 ORDER BY processed_at
 LIMIT ?
 "#,
@@ -671,12 +675,12 @@ impl Dialect for MySql {
     }
 
     /// In two steps: the ids by a plain read, then the rows by id. A
-    /// `DELETE … WHERE status … ORDER BY processed_at LIMIT n` walks the
-    /// retention index locking, and the entry that ends its walk (for failed
-    /// rows the first queued row's) may be one a claim is stamping at that
-    /// moment: the claim, holding that row, waits for the entry, and the
-    /// purge, holding the entry, for the row (an InnoDB deadlock seen with
-    /// two daemons).
+    /// `DELETE … ORDER BY processed_at LIMIT n` walks the retention index
+    /// locking, and the entry that ends its walk may be a row's that a claim
+    /// is stamping at that moment: the claim, holding that row, waits for the
+    /// entry, and the purge, holding the entry, for the row (an InnoDB
+    /// deadlock seen with two daemons, when status led that index and the
+    /// walk over failed rows ended at the first queued one).
     async fn purge(
         c: &mut MySqlConnection,
         kind: Finished,
