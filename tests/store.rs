@@ -1091,11 +1091,12 @@ async fn postgres_a_claim_planned_on_a_tiny_table_stays_on_the_indexes_after_a_b
     );
 }
 
-/// MariaDB has no partial indexes, so status leads each of its indexes and
-/// every status change moves the row's entry in each. The table keeps two
-/// such indexes (pending rows in claim order, retention); the rows in flight
-/// are found through their status prefix: a stale-lock sweep among 20,000
-/// finished rows reads the five rows being sent, not the table.
+/// MariaDB has no partial indexes: status leads the pending index, and every
+/// status change moves the row's entry in it. The table keeps that index,
+/// the retention index (finished rows only, by a generated column) and the
+/// unique key, no index of its own for the rows in flight: they are found
+/// through the pending index's status prefix, and a stale-lock sweep among
+/// 20,000 finished rows reads the five rows being sent, not the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_the_stale_lock_sweep_reads_the_rows_in_flight_only() {
     let Some(db) = TestDb::mysql().await else {
