@@ -1193,12 +1193,14 @@ async fn mysql_retention_reads_the_rows_it_deletes() {
     let Some(db) = TestDb::mysql().await else {
         return;
     };
-    for (status, age_days, rows) in [("sent", 10, 50), ("sent", 0, 20_000), ("queued", 0, 20_000)] {
+    for (status, processed_at, rows) in [
+        ("sent", "UTC_TIMESTAMP(6) - INTERVAL 10 DAY", 50),
+        ("sent", "UTC_TIMESTAMP(6)", 20_000),
+        ("queued", "NULL", 20_000),
+    ] {
         db.exec(&format!(
             "INSERT INTO mail_queue (to_address, subject, body, status, processed_at) \
-             SELECT CONCAT('r', seq, '@example.com'), 's', 'b', '{status}', \
-                    CASE WHEN '{status}' = 'sent' \
-                         THEN UTC_TIMESTAMP(6) - INTERVAL {age_days} DAY END \
+             SELECT CONCAT('r', seq, '@example.com'), 's', 'b', '{status}', {processed_at} \
              FROM seq_1_to_{rows}"
         ))
         .await;

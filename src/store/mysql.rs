@@ -10,7 +10,8 @@
 //! `database.look_interval` (100 ms unless set).
 //! Retention picks the rows it deletes by a plain read of its index, which
 //! holds finished rows only (keyed on a generated column, NULL before a row
-//! is finished, in place of a partial index), and deletes them by id. About 800 lines: its SQL, each statement with its reason.
+//! is finished, in place of a partial index), and deletes them by id.
+//! About 800 lines: its SQL, each statement with its reason.
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
