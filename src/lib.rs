@@ -11,18 +11,12 @@
 //! {smtp, mail, store}`; `config` builds the clients; `metrics` and `http`
 //! see outcomes and snapshots, never the worker.
 //! - [`store`]: one `Store` interface, SQL per database, shared code once.
-//! - [`mail`]: a draft (a row's columns and attachments) -> the message's
-//!   bytes and envelope, by our own linear MIME writer: validated and, when
-//!   configured, DKIM-signed.
-//! - [`smtp`]: the stage-aware SMTP client, its pool and fallback relay, the
-//!   file transport.
+//! - [`mail`]: a row's draft -> checked, maybe DKIM-signed message bytes.
+//! - [`smtp`]: the stage-aware SMTP client, its pool, fallback, file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.
-//! - [`metrics`]: outcome counters, relay health, the text of `/metrics` and
-//!   `/healthz`.
-//! - [`http`]: axum serving `/metrics`, `/healthz` and the operator console,
-//!   from a snapshot read on a database connection of its own.
-//! - [`worker`]: the pipeline (claim -> send -> group commit), the outcome
-//!   policy, the relay gate, throttling, and the chores beside them.
+//! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
+//! - [`http`]: `/metrics`, `/healthz` and the console (axum), from snapshots.
+//! - [`worker`]: claim -> send -> group commit; outcome policy, pacing, chores.
 //! - [`config`]: `Settings`: defaults < file < `TABLEMAIL__*` environment.
 //! - [`telemetry`]: flat JSON or pretty logs that never block; redaction.
 //! - [`random`]: cheap per-thread randomness for jitter and MIME boundaries.

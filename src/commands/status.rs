@@ -8,10 +8,9 @@ use std::time::Duration;
 use crate::{
     cli::ShowArgs,
     config::Settings,
-    smtp::{Role, Transport},
+    smtp::{failure_label, Role, Transport},
     store::{MailLookup, MailRecord, STATUSES},
     telemetry::redact_addresses,
-    worker::outcome::failure_label,
 };
 
 use super::{build_transport, connect, CommandError, Result};

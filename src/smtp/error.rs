@@ -100,6 +100,32 @@ impl fmt::Display for Stage {
     }
 }
 
+/// How `status` and the console name a group of history rows by their
+/// `mail_event.stage` and reply code: the SMTP stage and the code when the
+/// relay gave one ("RCPT TO 550"), otherwise what happened ("no reply after
+/// \".\"", "invalid mail"…). Besides the [`Stage`] keys, the history holds
+/// the keys of failures before the relay, named here too.
+pub fn failure_label(stage: Option<&str>, smtp_code: Option<i32>) -> String {
+    if let (Some(stage), Some(code)) = (stage.and_then(Stage::from_key), smtp_code) {
+        return format!("{} {code}", stage.as_str());
+    }
+    match stage {
+        Some("dot") => "no reply after \".\"".into(),
+        Some("body") => "connection lost before \".\"".into(),
+        Some("message") => "invalid mail".into(),
+        Some("config") => "no sender configured".into(),
+        Some("queue") => "expired".into(),
+        Some("throttle") => "domain throttled".into(),
+        Some("lock") => "worker lost".into(),
+        Some("refused") => "refused by tablemail".into(),
+        Some(other) => match Stage::from_key(other) {
+            Some(stage) => format!("{} (no reply)", stage.as_str()),
+            None => other.to_string(),
+        },
+        None => "unknown".into(),
+    }
+}
+
 /// A reply of the relay: its code and its text (lines joined by spaces).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reply {
@@ -194,7 +220,7 @@ impl SendError {
     }
 
     /// `<stage>: <code> <text>` or `<stage>: <what broke>`: the form of
-    /// `last_error`, read back in one place: `worker::outcome::failure_kind`.
+    /// `last_error` and of the history's detail, as operators read them.
     fn describe(&self) -> String {
         match (&self.reply, self.stage) {
             (None, stage) if self.refused_here => {
@@ -283,6 +309,26 @@ mod tests {
             e.to_string(),
             "MAIL FROM: refused by tablemail, not by the relay: no SMTPUTF8"
         );
+    }
+
+    #[test]
+    fn failures_are_labelled_by_stage_and_code_or_kind() {
+        let cases = [
+            (Some("rcpt"), Some(550), "RCPT TO 550"),
+            (Some("dot"), Some(554), "end of data 554"),
+            (Some("dot"), None, "no reply after \".\""),
+            (Some("body"), None, "connection lost before \".\""),
+            (Some("queue"), None, "expired"),
+            (Some("lock"), None, "worker lost"),
+            (Some("throttle"), None, "domain throttled"),
+            (Some("message"), None, "invalid mail"),
+            (Some("config"), None, "no sender configured"),
+            (Some("refused"), None, "refused by tablemail"),
+            (Some("connect"), None, "connect (no reply)"),
+        ];
+        for (stage, code, label) in cases {
+            assert_eq!(failure_label(stage, code), label, "{stage:?} {code:?}");
+        }
     }
 
     #[test]

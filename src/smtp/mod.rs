@@ -33,7 +33,7 @@ use lettre::{
 };
 use secrecy::{ExposeSecret, SecretString};
 
-pub use error::{Delivered, Reply, Role, SendError, Stage};
+pub use error::{failure_label, Delivered, Reply, Role, SendError, Stage};
 pub use session::Session;
 pub use url::{TlsMode, TransportKind, UrlError};
 

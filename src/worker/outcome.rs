@@ -328,29 +328,5 @@ pub fn stage_key(attempt: &Attempt) -> Option<&'static str> {
     }
 }
 
-/// How `status` and the console name a group of history rows: the SMTP
-/// stage and reply code when the relay gave one ("RCPT TO 550"), otherwise
-/// what happened ("no reply after \".\"", "invalid mail"…).
-pub fn failure_label(stage: Option<&str>, smtp_code: Option<i32>) -> String {
-    if let (Some(stage), Some(code)) = (stage.and_then(Stage::from_key), smtp_code) {
-        return format!("{} {code}", stage.as_str());
-    }
-    match stage {
-        Some("dot") => "no reply after \".\"".into(),
-        Some("body") => "connection lost before \".\"".into(),
-        Some("message") => "invalid mail".into(),
-        Some("config") => "no sender configured".into(),
-        Some("queue") => "expired".into(),
-        Some("throttle") => "domain throttled".into(),
-        Some("lock") => "worker lost".into(),
-        Some("refused") => "refused by tablemail".into(),
-        Some(other) => match Stage::from_key(other) {
-            Some(stage) => format!("{} (no reply)", stage.as_str()),
-            None => other.to_string(),
-        },
-        None => "unknown".into(),
-    }
-}
-
 #[cfg(test)]
 mod tests;

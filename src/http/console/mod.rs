@@ -37,13 +37,12 @@ use super::{
     Observed,
 };
 use crate::{
-    smtp::Role,
+    smtp::{failure_label, Role},
     store::{
         AttachmentInfo, MailFilter, MailLookup, MailRecord, MailSummary, RetrySelection, Store,
         RETRY_ATTEMPTS, STATUSES,
     },
     telemetry::redact_addresses,
-    worker::outcome::failure_label,
 };
 
 /// Mails per page of the list.

@@ -1,6 +1,6 @@
 //! DESIGN §2 row by row: each test is one line of the table.
 use super::*;
-use crate::smtp::Reply;
+use crate::smtp::{failure_label, Reply};
 
 fn policy() -> Policy {
     Policy {
@@ -375,24 +375,7 @@ fn throttled_domains_defer_without_spending() {
 }
 
 #[test]
-fn failures_are_labelled_by_stage_and_code_or_kind() {
-    let cases = [
-        (Some("rcpt"), Some(550), "RCPT TO 550"),
-        (Some("dot"), Some(554), "end of data 554"),
-        (Some("dot"), None, "no reply after \".\""),
-        (Some("body"), None, "connection lost before \".\""),
-        (Some("queue"), None, "expired"),
-        (Some("lock"), None, "worker lost"),
-        (Some("throttle"), None, "domain throttled"),
-        (Some("message"), None, "invalid mail"),
-        (Some("config"), None, "no sender configured"),
-        (Some("refused"), None, "refused by tablemail"),
-        (Some("connect"), None, "connect (no reply)"),
-    ];
-    for (stage, code, label) in cases {
-        assert_eq!(failure_label(stage, code), label, "{stage:?} {code:?}");
-    }
-    // The key a failed send stores is the one the label reads.
+fn the_label_reads_the_key_a_failure_stores() {
     let e = SendError::replied(
         Stage::RcptTo,
         Reply {
