@@ -10,8 +10,6 @@
 //!
 //! Mail bodies and passwords are never logged; recipients appear only as their
 //! domain, and SMTP replies pass through [`redact_addresses`] first.
-//!
-//! Over 500 lines with its tests (a quarter of it).
 
 use std::{
     fmt::Write as _,

@@ -26,8 +26,8 @@ pub const EXIT_RUNTIME: u8 = 1;
 pub const EXIT_CONFIG: u8 = 2;
 
 /// The runtime's worker threads: one per core, at most this many. The
-/// daemon spends about 50 µs of CPU per mail; more threads would only
-/// count against the unit's `TasksMax=`.
+/// daemon spends little CPU per mail, so more threads would only count
+/// against the unit's `TasksMax=`.
 pub const MAX_WORKER_THREADS: usize = 8;
 
 /// Threads of the blocking pool (large or DKIM-signed messages being built,

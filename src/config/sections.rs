@@ -1,6 +1,7 @@
-//! The sections of the settings, one struct each with its defaults (what
-//! the README's key table lists), and the clients they build: the database
-//! connection options, the transport, the DKIM signer.
+//! The sections of the settings, one struct each with its defaults, and
+//! the clients they build: the database connection options, the transport,
+//! the DKIM signer. The defaults are the ones users are told (the README's
+//! key table), so a default changed here changes there too.
 
 use std::{fmt, path::PathBuf, str::FromStr, time::Duration};
 

@@ -11,8 +11,6 @@
 //! mostly ASCII; base64 otherwise. A lone CR, a lone LF and CRLF all become
 //! CRLF, so no bare CR or LF reaches the relay; NUL and other control
 //! characters never go out raw. Dot-stuffing is the SMTP client's business.
-//!
-//! Over 500 lines with its tests (a third of it).
 
 use super::header::LINE_LIMIT;
 

@@ -8,8 +8,7 @@
 //! characters before it is planned, and the only line breaks written are the
 //! CRLF of a fold (always followed by whitespace) and the one ending a field.
 //!
-//! Over 500 lines with its tests (a quarter of it): folding and encoding
-//! are one mechanism, read in one place.
+//! Folding and encoding are one mechanism, read in one place.
 
 use std::borrow::Cow;
 

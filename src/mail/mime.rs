@@ -20,8 +20,6 @@
 //! not plain ASCII, for old readers) and `filename` in Content-Disposition
 //! (RFC 2231 `filename*=utf-8''…`, with continuations `filename*0*=` … when
 //! long, so that no line passes 998 octets).
-//!
-//! Over 500 lines with its tests (a sixth of it).
 
 use super::{
     body::{Content, Transfer},

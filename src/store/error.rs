@@ -68,8 +68,9 @@ impl From<sqlx::Error> for StoreError {
 }
 
 impl StoreError {
-    /// The stable log message for this kind of failure (README, "Logs"): the
-    /// worker retries every kind, but an operator acts on each differently.
+    /// The log message for this kind of failure, stable because operators
+    /// match on it (the README lists each): the worker retries every kind,
+    /// but an operator acts on each differently.
     pub fn summary(&self) -> &'static str {
         match self {
             StoreError::Unavailable(_) | StoreError::Timeout(_) => "database unavailable",

@@ -219,9 +219,9 @@ impl Finalize {
 /// the 16 KiB a Linux TCP socket's send buffer starts with
 /// (`net.ipv4.tcp_wmem`). A longer statement fills the buffer before it is
 /// whole, the server waits for the rest before it answers, and the rest
-/// waits for the server's delayed ACK: 40 ms per group commit (measured
-/// here, a drain at half its speed). Larger groups go as several statements
-/// in one transaction.
+/// waits for the server's delayed ACK: 40 ms per group commit, enough to
+/// slow a drain to about half its speed. Larger groups go as several
+/// statements in one transaction.
 pub(crate) const STATEMENT_BUDGET: usize = 12 * 1024;
 
 impl Finalize {

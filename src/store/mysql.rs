@@ -11,7 +11,7 @@
 //! Retention picks the rows it deletes by a plain read of its index, which
 //! holds finished rows only (keyed on a generated column, NULL before a row
 //! is finished, in place of a partial index), and deletes them by id.
-//! About 800 lines: its SQL, each statement with its reason.
+//! Most of this file is its SQL, each statement with its reason.
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
@@ -117,10 +117,9 @@ fn bind_ids<'q>(
 // read of the index alone passes over the entries of rows claimed a moment
 // ago (left behind until InnoDB's purge removes them) without looking at
 // their rows. A locking read looks up the row of each such entry, and a
-// busy queue keeps thousands of them at the head: the claim of 100 read 6,000
-// pages instead of 300 (MariaDB 10.11, one daemon draining real mail). FORCE
-// INDEX: the walk stops after the batch whatever InnoDB's sampled statistics
-// say about the backlog.
+// busy queue keeps thousands of them at the head, so a locking claim reads
+// many times the pages the batch needs. FORCE INDEX: the walk stops after
+// the batch whatever InnoDB's sampled statistics say about the backlog.
 const HEAD: &str = r#"
 SELECT id FROM mail_queue FORCE INDEX (mail_queue_claim_idx)
 WHERE status = 'queued' AND send_at <= UTC_TIMESTAMP(6)
@@ -203,12 +202,12 @@ SELECT id, status, thread_lock FROM mail_queue FORCE INDEX (PRIMARY) WHERE id IN
 /// The outcomes joined to their rows by id: the JSON first (`STRAIGHT_JOIN`),
 /// then each row through the primary key, so that rows are locked one by one
 /// in the outcomes' order (by id) and no other row is read. Left to choose,
-/// MariaDB 10.11 read the rows in flight first, through the `status` prefix
-/// of the pending index, whenever it guessed fewer of them
-/// than the forty it guesses for a JSON_TABLE (a quiet queue: 3 to 150 rows
-/// in flight among 3,000 sent ones); a multi-table UPDATE locks each row it
-/// reads, so an outcome waited for every other batch's rows in flight, and
-/// two daemons finalizing at once, each holding its own rows, could wait for
+/// MariaDB read the rows in flight first, through the `status` prefix of
+/// the pending index, whenever it guessed fewer of them than the forty it
+/// guesses for a JSON_TABLE (as in a quiet queue, with few rows in flight
+/// among many sent ones); a multi-table UPDATE locks each row it reads, so
+/// an outcome waited for every other batch's rows in flight, and two
+/// daemons finalizing at once, each holding its own rows, could wait for
 /// each other.
 const FINALIZE: &str = r#"
 UPDATE JSON_TABLE(?, '$[*]' COLUMNS (

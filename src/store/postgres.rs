@@ -1,8 +1,8 @@
 //! PostgreSQL, the reference backend: claims with `FOR UPDATE SKIP LOCKED` in
 //! one statement, finalizes many rows (and their history) in one fenced
 //! statement, wakes idle daemons with LISTEN/NOTIFY, and vacuums the table
-//! when autovacuum does not. Its SQL is most of its length (over 500 lines:
-//! the statements of every operation, each with its reason).
+//! when autovacuum does not. Its SQL is most of its length: the statements
+//! of every operation, each with its reason.
 
 use std::{str::FromStr, sync::Arc, time::Duration};
 
@@ -113,21 +113,18 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // whole table for each picked row once it had grown). Without this, a
 // backlog that arrived in a burst (before autoanalyze saw it: a few dozen
 // queued rows by the statistics) would be fetched whole and sorted on every
-// claim; a plan made anew for each claim cost the server about 0.25 ms of
-// planning per claim of 100 rows here, a tenth of its time per claim. The
-// claim is one statement, one round trip: as a transaction that set
-// `enable_sort` locally (three round trips) it cost the server 2–7% more CPU
-// per mail in the benchmark's drains of real mail. The other connections
-// plan every statement for its values (see `connect`) and may sort and scan
-// as the planner likes. Each row's text sizes are read once, by the
-// update that claims it; the text columns come along only for rows within
-// the inline limit ($6).
+// claim; a plan made anew for each claim would be a sizeable share of the
+// claim's time. The claim is one statement, one round trip: as a
+// transaction that set `enable_sort` locally (three round trips) it cost the
+// server more CPU per mail. The other connections plan every statement for
+// its values (see `connect`) and may sort and scan as the planner likes.
+// Each row's text sizes are read once, by the update that claims it; the
+// text columns come along only for rows within the inline limit ($6).
 //
 // (Migration 0003's `tablemail_due()` did the same inside a SQL function
 // with `SET enable_sort = off`: planned anew in every claim and run through
-// a tuplestore, it cost about 0.4 ms of a 2.6 ms claim of 100 rows here. It
-// stays in the schema for daemons of earlier versions during a rolling
-// upgrade.)
+// a tuplestore, a noticeable part of each claim's cost. It stays in the
+// schema for daemons of earlier versions during a rolling upgrade.)
 //
 // A Message-ID is given at the first claim and derived from the row alone
 // (a 64-bit hash of its id and its created_at, then the id and the domain;
@@ -136,8 +133,8 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // claimed anew, so a copy sent under the lost claim can still be matched to
 // the new one. The hash is PostgreSQL's own for hash partitioning, of
 // created_at as microseconds since the epoch (the session's TimeZone plays
-// no part); md5 was 2–5 µs per row here, a twentieth of a mail's database
-// time.
+// no part), cheaper than md5, whose cost per row was a noticeable part of
+// a mail's database time.
 //
 // Attachments: their count and octets are probed per row, and not at all
 // for a row newer than the newest mail with attachments (looked up once per
@@ -145,9 +142,8 @@ pub(crate) fn connect(url: &str, options: ConnectOptions) -> Result<SqlStore<Pos
 // the probes were a tenth of the claim's cost. The probes are subqueries
 // run only when that test passes (a row with attachments is probed twice,
 // for the count and for the octets: rare, and cheaper than an aggregate for
-// every row); as a LATERAL join (an aggregate begun for every row, and one
-// more join to plan) the claim cost the server 7% more (pgbench, 400 claims
-// of 100 rows, four rounds).
+// every row); a LATERAL join costs the server more per claim (an aggregate
+// begun for every row, and one more join to plan).
 const CLAIM: &str = concat!(
     r#"
 WITH u AS (

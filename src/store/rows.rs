@@ -3,8 +3,8 @@
 //! for the mail list's filters and a lookup, and batches encoded as JSON for
 //! the databases that take them that way.
 //!
-//! About 650 lines: one record's decoding, its filters and its JSON
-//! encoding are kept side by side, so a new column is added in one file.
+//! One record's decoding, its filters and its JSON encoding are kept side
+//! by side, so a new column is added in one file.
 
 use chrono::{DateTime, Utc};
 use sqlx::{ColumnIndex, Database, Decode, Encode, Row, Type};
@@ -136,8 +136,8 @@ const CONTENT_COLUMNS: [&str; 10] = [
 
 /// Where a result's content columns are, found by name once: a claim
 /// decodes a hundred rows of the same shape, and sqlx finds a column by name
-/// through a hash of the name for every value (2% of the daemon's
-/// instructions per mail with PostgreSQL).
+/// through a hash of the name for every value, a cost a claim would pay
+/// for every column of every row.
 #[derive(Clone, Copy)]
 struct ContentColumns([usize; 10]);
 
@@ -181,12 +181,11 @@ impl ContentColumns {
 
 /// A text column of a mail's content, its UTF-8 checked by `simdutf8` at
 /// vector speed: sqlx checks a `String` an octet at a time wherever a text
-/// is not plain ASCII (German text: about four instructions an octet, a
-/// fifteenth of the daemon's work per mail). The columns are text in every
-/// schema, so the raw octets are taken without sqlx's type check. Text
-/// that is not UTF-8 (SQLite keeps what it is given) reads as empty and is
-/// noted in `not_utf8`: one such row must not fail the claim of the rows
-/// beside it.
+/// is not plain ASCII (for German text, about a fifteenth of the daemon's
+/// work per mail). The columns are text in every schema, so the raw octets
+/// are taken without sqlx's type check. Text that is not UTF-8 (SQLite
+/// keeps what it is given) reads as empty and is noted in `not_utf8`: one
+/// such row must not fail the claim of the rows beside it.
 fn text<'r, R>(
     row: &'r R,
     at: usize,
@@ -611,9 +610,9 @@ where
 
 /// Outcomes as one JSON array of objects, for SQLite's `json_each`, with
 /// their history rows (`ev_*` fields, absent where none is written).
-/// Written straight from borrowed fields: built as `serde_json::Value`
-/// objects first (a map and a string per field) it was 14,000 instructions
-/// a mail.
+/// Written straight from borrowed fields, not built as `serde_json::Value`
+/// objects first: those cost a map and a string per field of every
+/// outcome.
 pub(crate) fn finalize_json(writes: &[super::Finalize]) -> String {
     let items: Vec<OutcomeJson<'_>> = writes.iter().map(OutcomeJson::of).collect();
     serde_json::to_string(&items).expect("outcomes serialize to JSON")
@@ -625,9 +624,8 @@ pub(crate) fn finalize_json(writes: &[super::Finalize]) -> String {
 /// NULL; the history row's detail NULL where it is the error). MariaDB
 /// finds an object's member by comparing names one after another, for
 /// every column of every outcome; arrays are also half the octets, so a
-/// hundred outcomes fit one statement, not two. In drains of 50,000 on
-/// MariaDB 10.11, three pairs, its CPU per mail was lower in five of six
-/// (by 0–16 µs of about 100).
+/// hundred outcomes fit one statement, not two, and the server spends a
+/// little less CPU per mail.
 pub(crate) fn finalize_rows_json(writes: &[super::Finalize]) -> String {
     let items: Vec<OutcomeRow<'_>> = writes
         .iter()

@@ -134,8 +134,8 @@ macro_rules! content_bytes {
 // SQLite would rather scan and sort). `LIMIT CAST(?1 AS INTEGER)`, not
 // `LIMIT ?1`: SQLite reads a bare parameter in LIMIT as a constant for its
 // plan, so binding it (at every claim) expired the prepared statement and
-// each claim compiled it again: 3 million instructions, about 10% of the
-// daemon's work per mail with SQLite.
+// each claim compiled it again, a sizeable share of the daemon's work per
+// mail with SQLite.
 const CLAIM: &str = concat!(
     r#"
 UPDATE mail_queue

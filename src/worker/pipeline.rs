@@ -10,9 +10,9 @@
 //! `worker.shutdown_timeout`; after that they are cut off and judged by the
 //! stage they reached (after "." is ambiguous, before it is released).
 //!
-//! A little over 500 lines: the lane, the finalizer and the drain share
-//! their types and read best as one story. Making a claimed row ready to
-//! send (loading and building its message) is [`ready`](super::ready).
+//! The lane, the finalizer and the drain share their types and read best
+//! as one story, so they are kept in one file. Making a claimed row ready
+//! to send (loading and building its message) is [`ready`](super::ready).
 
 use std::{panic::AssertUnwindSafe, sync::Arc, time::Duration};
 
