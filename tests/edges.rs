@@ -539,15 +539,15 @@ async fn auth_without_tls_waits_for_the_operator_to_allow_it() {
         "{refused}"
     );
     eventually("/healthz answers", Duration::from_secs(10), || async {
-        http_get(metrics_port, "/healthz").0 != 0
+        http::try_get(metrics_port, "/healthz", None).is_ok()
     })
     .await;
-    let health = http_get(metrics_port, "/healthz");
-    assert_eq!(health.0, 503, "{}", health.1);
+    let health = http::get(metrics_port, "/healthz", None);
+    assert_eq!(health.status, 503, "{}", health.body);
     assert!(
-        health.1.contains("transport.allow_plaintext_auth"),
+        health.body.contains("transport.allow_plaintext_auth"),
         "{}",
-        health.1
+        health.body
     );
     let row = db.row(id).await;
     assert_eq!(
@@ -588,29 +588,6 @@ async fn auth_without_tls_waits_for_the_operator_to_allow_it() {
     );
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
-}
-
-/// A GET over plain HTTP/1.0: (status code, body), or code 0 when nothing
-/// answers yet.
-fn http_get(port: u16, path: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let _ = write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

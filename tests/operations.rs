@@ -5,37 +5,10 @@
 
 mod support;
 
-use std::{
-    io::{Read, Write},
-    os::unix::net::UnixDatagram,
-    path::Path,
-    process::Command,
-    time::Duration,
-};
+use std::{os::unix::net::UnixDatagram, path::Path, process::Command, time::Duration};
 
 use support::*;
 use tablemail::store::NewMail;
-
-/// A GET over plain HTTP/1.0: (status code, body).
-fn http_get(port: u16, path: &str) -> (u16, String) {
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n").unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
-}
 
 /// The value of a Prometheus sample line `name{labels} value`.
 fn sample(metrics: &str, series: &str) -> Option<f64> {
@@ -68,7 +41,7 @@ async fn metrics_and_health_over_http() {
     };
     let smtp = SmtpServer::start(&[]);
     let (mut daemon, port, _) = start_with_metrics(&db, &smtp.url()).await;
-    let (status, body) = http_get(port, "/healthz");
+    let http::Response { status, body, .. } = http::get(port, "/healthz", None);
     assert_eq!(status, 200, "{body}");
     assert!(
         body.contains("database: ok") && body.contains("relay: ok"),
@@ -93,13 +66,14 @@ async fn metrics_and_health_over_http() {
         "the snapshot to see the rows",
         Duration::from_secs(15),
         || async {
-            let metrics = http_get(port, "/metrics").1;
+            let metrics = http::get(port, "/metrics", None).body;
             sample(&metrics, r#"tablemail_queue_rows{status="sent"}"#) == Some(5.0)
         },
     )
     .await;
-    let (status, metrics) = http_get(port, "/metrics");
-    assert_eq!(status, 200);
+    let metrics = http::get(port, "/metrics", None);
+    assert_eq!(metrics.status, 200);
+    let metrics = metrics.body;
     let age = sample(&metrics, "tablemail_snapshot_age_seconds").unwrap();
     assert!((0.0..=15.0).contains(&age), "{metrics}");
     assert_eq!(
@@ -137,7 +111,7 @@ async fn metrics_and_health_over_http() {
         Some(0.0)
     );
     assert!(metrics.contains("# TYPE tablemail_send_duration_seconds histogram"));
-    assert_eq!(http_get(port, "/nothing").0, 404);
+    assert_eq!(http::get(port, "/nothing", None).status, 404);
 
     // The relay goes away: health says so, and so does the gauge.
     drop(smtp);
@@ -145,13 +119,16 @@ async fn metrics_and_health_over_http() {
     eventually(
         "health to notice the relay is gone",
         Duration::from_secs(10),
-        || async { http_get(port, "/healthz").0 == 503 },
+        || async { http::get(port, "/healthz", None).status == 503 },
     )
     .await;
-    let (_, body) = http_get(port, "/healthz");
+    let body = http::get(port, "/healthz", None).body;
     assert!(body.contains("relay: unavailable"), "{body}");
     assert_eq!(
-        sample(&http_get(port, "/metrics").1, "tablemail_relay_up"),
+        sample(
+            &http::get(port, "/metrics", None).body,
+            "tablemail_relay_up"
+        ),
         Some(0.0)
     );
 
@@ -179,7 +156,7 @@ async fn a_stopped_daemon_and_an_ended_command_abandon_no_session() {
         db.count("status = 'sent'").await == 1
     })
     .await;
-    assert_eq!(http_get(port, "/healthz").0, 200);
+    assert_eq!(http::get(port, "/healthz", None).status, 200);
     daemon.signal("TERM");
     assert_eq!(daemon.wait_exit(Duration::from_secs(10)).await, 0);
     let (code, _, stderr) = output(tablemail().envs(env).arg("status"));
@@ -248,7 +225,7 @@ async fn healthz_follows_a_database_that_goes_silent() {
     let mut daemon = Daemon::start(env);
     eventually("healthy", Duration::from_secs(20), || async {
         std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-            && http_get(port, "/healthz").0 == 200
+            && http::get(port, "/healthz", None).status == 200
     })
     .await;
     proxy.set_silent(true);
@@ -257,7 +234,7 @@ async fn healthz_follows_a_database_that_goes_silent() {
         Duration::from_secs(25),
         || async {
             let started = std::time::Instant::now();
-            let (status, body) = http_get(port, "/healthz");
+            let http::Response { status, body, .. } = http::get(port, "/healthz", None);
             // Answered from the snapshot, not after a query's deadline.
             assert!(
                 started.elapsed() < Duration::from_secs(4),
@@ -269,7 +246,10 @@ async fn healthz_follows_a_database_that_goes_silent() {
     )
     .await;
     assert_eq!(
-        sample(&http_get(port, "/metrics").1, "tablemail_database_up"),
+        sample(
+            &http::get(port, "/metrics", None).body,
+            "tablemail_database_up"
+        ),
         Some(0.0)
     );
     // The database answers again on new connections; the old ones stay
@@ -277,7 +257,7 @@ async fn healthz_follows_a_database_that_goes_silent() {
     proxy.set_silent(false);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let (status, body) = http_get(port, "/healthz");
+        let http::Response { status, body, .. } = http::get(port, "/healthz", None);
         if status == 200 {
             break;
         }
@@ -583,8 +563,9 @@ async fn a_stdout_nobody_reads_never_stops_the_mail() {
         db.count("status = 'sent'").await == MAILS
     })
     .await;
-    let (status, metrics) = http_get(port, "/metrics");
-    assert_eq!(status, 200);
+    let metrics = http::get(port, "/metrics", None);
+    assert_eq!(metrics.status, 200);
+    let metrics = metrics.body;
     let dropped = sample(&metrics, "tablemail_log_lines_dropped_total").unwrap();
     assert!(dropped > 0.0, "nothing dropped: the test proved nothing");
     assert_eq!(db.count("status <> 'sent'").await, 0);

@@ -6,39 +6,10 @@
 
 mod support;
 
-use std::{
-    io::{Read, Write},
-    time::Duration,
-};
+use std::{io::Write, time::Duration};
 
 use support::*;
 use tablemail::store::NewMail;
-
-/// `GET /healthz`: its status code, or 0 when nothing answers.
-fn healthz(port: u16) -> u16 {
-    healthz_says(port).0
-}
-
-/// `GET /healthz`: its status code (0 when nothing answers) and body.
-fn healthz_says(port: u16) -> (u16, String) {
-    let Ok(mut stream) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
-        return (0, String::new());
-    };
-    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-    let _ = write!(stream, "GET /healthz HTTP/1.0\r\nHost: localhost\r\n\r\n");
-    let mut response = String::new();
-    let _ = stream.read_to_string(&mut response);
-    let code = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (code, body)
-}
 
 fn sender(mut m: NewMail) -> NewMail {
     m.from_address = Some("shop@example.com".into());
@@ -67,13 +38,13 @@ async fn a_relay_down_at_start_is_known_before_any_mail() {
         .await;
     assert_eq!(said["level"], "ERROR");
     eventually("/healthz says 503", Duration::from_secs(5), || async {
-        healthz(metrics_port) == 503
+        http::try_get(metrics_port, "/healthz", None).is_ok_and(|r| r.status == 503)
     })
     .await;
     // The relay comes up: the next probe finds it, with no mail sent.
     let sink = SmtpSink::start_on(relay_port, &[]);
     eventually("/healthz says 200", Duration::from_secs(30), || async {
-        healthz(metrics_port) == 200
+        http::try_get(metrics_port, "/healthz", None).is_ok_and(|r| r.status == 200)
     })
     .await;
     assert!(sink.mails().is_empty());
@@ -295,8 +266,8 @@ async fn a_missing_sender_waits_for_the_operator_and_burns_nothing() {
     assert_eq!(smtp.received().len(), 1);
     // The relay and the database are fine, yet mail waits: /healthz says
     // 503 and why, while mail with a sender goes through.
-    let (code, body) = healthz_says(metrics_port);
-    assert_eq!(code, 503, "{body}");
+    let http::Response { status, body, .. } = http::get(metrics_port, "/healthz", None);
+    assert_eq!(status, 503, "{body}");
     assert!(body.contains("relay: ok"), "{body}");
     assert!(
         body.contains("configuration: defaults.from_address is not set"),

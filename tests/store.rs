@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use support::*;
 use tablemail::store::{
-    BatchLock, Claim, FinalAction, Finalize, NewAttachment, NewMail, QueuedMail, RetrySelection,
+    Backend, BatchLock, Claim, FinalAction, Finalize, NewAttachment, NewMail, QueuedMail,
+    RetrySelection,
 };
 
 for_each_backend!(
@@ -35,198 +36,188 @@ for_each_backend!(
     claims_and_outcomes_of_every_size_take_each_row_once,
 );
 
-/// On the backends that fail over to a replica (PostgreSQL, MariaDB); SQLite
-/// gives each claim's Message-IDs a random part of its own.
-mod message_id_after_a_lost_claim {
+/// On the backends with a server (PostgreSQL, MariaDB) only: the backends
+/// that fail over to a replica (SQLite gives each claim's Message-IDs a random
+/// part of its own) and that lock rows (SQLite's writer holds the whole
+/// database).
+mod servers {
     use super::*;
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        if let Some(db) = TestDb::postgres().await {
-            a_lost_first_claim_gives_the_same_message_id_again(db).await;
-        }
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql() {
-        if let Some(db) = TestDb::mysql().await {
-            a_lost_first_claim_gives_the_same_message_id_again(db).await;
-        }
-    }
+    crate::for_each_backend!(
+        postgres, mysql;
+        a_lost_first_claim_gives_the_same_message_id_again,
+        a_claim_passes_over_rows_another_transaction_holds,
+        outcomes_and_renewals_pass_by_rows_another_batch_holds,
+    );
 }
 
-/// On the backends that lock rows (PostgreSQL, MariaDB); SQLite's writer
-/// holds the whole database.
-mod a_claim_passes_over_rows_another_transaction_holds {
-    use super::*;
-    use sqlx::{Connection, Executor};
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        if let Some(db) = TestDb::postgres().await {
-            let holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+/// On the backends that lock rows (PostgreSQL, MariaDB): see
+/// `the_claim_takes_the_next_rows`.
+async fn a_claim_passes_over_rows_another_transaction_holds(db: TestDb) {
+    match db.backend {
+        Backend::Postgres => {
+            let holder = postgres_holder(&db).await;
             the_claim_takes_the_next_rows(db, holder, "").await;
         }
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql() {
-        if let Some(db) = TestDb::mysql().await {
+        Backend::Mysql => {
             let holder = mysql_holder(&db).await;
             the_claim_takes_the_next_rows(db, holder, MYSQL_BY_ID).await;
         }
+        Backend::Sqlite => unreachable!("SQLite's writer holds the whole database"),
     }
+}
 
-    /// Another transaction holds the first eight rows of the queue (an
-    /// operator's UPDATE, another daemon's claim in flight): a claim of ten
-    /// takes the ten after them, a claim of one the next (eight times its
-    /// batch past the held rows), and a claim once they are let go takes
-    /// the eight and the last row.
-    async fn the_claim_takes_the_next_rows<C>(db: TestDb, mut holder: C, by_id: &str)
-    where
-        for<'c> &'c mut C: Executor<'c>,
-    {
-        let mails: Vec<NewMail> = (0..20)
-            .map(|i| mail(&format!("u{i}@example.com"), "x"))
-            .collect();
-        let ids: Vec<i64> = db
-            .store
-            .enqueue(&mails)
-            .await
-            .unwrap()
-            .into_iter()
-            .map(|e| e.id)
-            .collect();
-        hold(&mut holder, by_id, &ids[..8]).await;
-        let ids_of = |batch: Vec<QueuedMail>| {
-            let mut ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
-            ids.sort_unstable();
-            ids
-        };
-        assert_eq!(
-            ids_of(claimed(&db, 10).await),
-            ids[8..18],
-            "the ten after the held rows"
-        );
-        assert_eq!(ids_of(claimed(&db, 1).await), ids[18..19], "the next one");
-        holder.execute("ROLLBACK").await.unwrap();
-        let mut rest = ids[..8].to_vec();
-        rest.push(ids[19]);
-        assert_eq!(
-            ids_of(claimed(&db, 10).await),
-            rest,
-            "the held rows once let go, and the last"
-        );
-    }
+/// Another transaction holds the first eight rows of the queue (an
+/// operator's UPDATE, another daemon's claim in flight): a claim of ten
+/// takes the ten after them, a claim of one the next (eight times its
+/// batch past the held rows), and a claim once they are let go takes
+/// the eight and the last row.
+async fn the_claim_takes_the_next_rows<C>(db: TestDb, mut holder: C, by_id: &str)
+where
+    for<'c> &'c mut C: sqlx::Executor<'c>,
+{
+    use sqlx::Executor;
+    let mails: Vec<NewMail> = (0..20)
+        .map(|i| mail(&format!("u{i}@example.com"), "x"))
+        .collect();
+    let ids: Vec<i64> = db
+        .store
+        .enqueue(&mails)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    hold(&mut holder, by_id, &ids[..8]).await;
+    let ids_of = |batch: Vec<QueuedMail>| {
+        let mut ids: Vec<i64> = batch.iter().map(|m| m.id).collect();
+        ids.sort_unstable();
+        ids
+    };
+    assert_eq!(
+        ids_of(claimed(&db, 10).await),
+        ids[8..18],
+        "the ten after the held rows"
+    );
+    assert_eq!(ids_of(claimed(&db, 1).await), ids[18..19], "the next one");
+    holder.execute("ROLLBACK").await.unwrap();
+    let mut rest = ids[..8].to_vec();
+    rest.push(ids[19]);
+    assert_eq!(
+        ids_of(claimed(&db, 10).await),
+        rest,
+        "the held rows once let go, and the last"
+    );
 }
 
 /// On the backends that lock rows (PostgreSQL, MariaDB): another batch's
 /// rows held by a transaction in flight (its own outcomes, a renewal) are
 /// none of this batch's business, however small the table: not of its
-/// outcomes, its renewals, nor of a sweep of stale locks.
-mod outcomes_and_renewals_pass_by_rows_another_batch_holds {
-    use super::*;
-    use sqlx::{Connection, Executor};
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        if let Some(db) = TestDb::postgres().await {
-            let holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+/// outcomes, its renewals, nor of a sweep of stale locks. See
+/// `none_of_them_waits`.
+async fn outcomes_and_renewals_pass_by_rows_another_batch_holds(db: TestDb) {
+    match db.backend {
+        Backend::Postgres => {
+            let holder = postgres_holder(&db).await;
             none_of_them_waits(db, holder, "").await;
         }
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql() {
-        if let Some(db) = TestDb::mysql().await {
+        Backend::Mysql => {
             let holder = mysql_holder(&db).await;
             none_of_them_waits(db, holder, MYSQL_BY_ID).await;
         }
+        Backend::Sqlite => unreachable!("SQLite's writer holds the whole database"),
     }
+}
 
-    /// Two batches of two on a table of four rows (where InnoDB would rather
-    /// find the rows in flight through the status index than by id); the
-    /// other batch's rows are held while this one renews its locks and
-    /// writes its outcomes, and again while a third batch's stale locks are
-    /// swept: none of them may wait for those rows or touch them.
-    async fn none_of_them_waits<C>(db: TestDb, mut holder: C, by_id: &str)
-    where
-        for<'c> &'c mut C: Executor<'c>,
-    {
-        for i in 0..4 {
-            db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
-        }
-        let ours = claimed(&db, 2).await;
-        let theirs = claimed(&db, 2).await;
-        let theirs_ids: Vec<i64> = theirs.iter().map(|m| m.id).collect();
-        hold(&mut holder, by_id, &theirs_ids).await;
+/// Two batches of two on a table of four rows (where InnoDB would rather
+/// find the rows in flight through the status index than by id); the
+/// other batch's rows are held while this one renews its locks and
+/// writes its outcomes, and again while a third batch's stale locks are
+/// swept: none of them may wait for those rows or touch them.
+async fn none_of_them_waits<C>(db: TestDb, mut holder: C, by_id: &str)
+where
+    for<'c> &'c mut C: sqlx::Executor<'c>,
+{
+    use sqlx::Executor;
+    for i in 0..4 {
+        db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+    }
+    let ours = claimed(&db, 2).await;
+    let theirs = claimed(&db, 2).await;
+    let theirs_ids: Vec<i64> = theirs.iter().map(|m| m.id).collect();
+    hold(&mut holder, by_id, &theirs_ids).await;
 
-        let limit = Duration::from_secs(10);
-        let held_locks: Vec<(i64, BatchLock)> = ours.iter().map(|m| (m.id, m.lock)).collect();
-        let renewed = tokio::time::timeout(limit, db.store.renew_locks(&held_locks))
-            .await
-            .expect("the renewal waited on the other batch's rows")
-            .unwrap();
-        assert_eq!(renewed, 2);
-        let outcomes: Vec<Finalize> = ours
-            .iter()
-            .map(|m| finalize(m, FinalAction::Sent))
-            .collect();
-        let mut written = tokio::time::timeout(limit, db.store.finalize(&outcomes))
-            .await
-            .expect("the outcomes waited on the other batch's rows")
-            .unwrap();
-        written.sort_unstable();
-        let mut our_ids: Vec<i64> = ours.iter().map(|m| m.id).collect();
-        our_ids.sort_unstable();
-        assert_eq!(written, our_ids);
-        holder.execute("ROLLBACK").await.unwrap();
-
-        for m in &ours {
-            assert_eq!(db.row(m.id).await.status, "sent");
-        }
-        for m in &theirs {
-            assert_eq!(
-                db.row(m.id).await.status,
-                "sending",
-                "the other batch's row"
-            );
-        }
-
-        // The same for the stale-lock sweep: the other batch's rows held
-        // again, a third batch gone stale is released without waiting.
-        for i in 4..6 {
-            db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
-        }
-        let stale = claimed(&db, 2).await;
-        let mut stale_ids: Vec<i64> = stale.iter().map(|m| m.id).collect();
-        stale_ids.sort_unstable();
-        let listed = id_list(&stale_ids);
-        db.exec(&format!(
-            "UPDATE mail_queue SET locked_at = {} WHERE id IN ({listed})",
-            db.minus("locked_at", 3600)
-        ))
-        .await;
-        hold(&mut holder, by_id, &theirs_ids).await;
-        let released = tokio::time::timeout(
-            limit,
-            db.store.release_stale_locks(Duration::from_secs(60), &[]),
-        )
+    let limit = Duration::from_secs(10);
+    let held_locks: Vec<(i64, BatchLock)> = ours.iter().map(|m| (m.id, m.lock)).collect();
+    let renewed = tokio::time::timeout(limit, db.store.renew_locks(&held_locks))
         .await
-        .expect("the sweep waited on the other batch's rows")
+        .expect("the renewal waited on the other batch's rows")
         .unwrap();
-        holder.execute("ROLLBACK").await.unwrap();
-        let mut released: Vec<i64> = released.iter().map(|r| r.id).collect();
-        released.sort_unstable();
-        assert_eq!(released, stale_ids);
-        for m in &theirs {
-            assert_eq!(
-                db.row(m.id).await.status,
-                "sending",
-                "the other batch's row"
-            );
-        }
+    assert_eq!(renewed, 2);
+    let outcomes: Vec<Finalize> = ours
+        .iter()
+        .map(|m| finalize(m, FinalAction::Sent))
+        .collect();
+    let mut written = tokio::time::timeout(limit, db.store.finalize(&outcomes))
+        .await
+        .expect("the outcomes waited on the other batch's rows")
+        .unwrap();
+    written.sort_unstable();
+    let mut our_ids: Vec<i64> = ours.iter().map(|m| m.id).collect();
+    our_ids.sort_unstable();
+    assert_eq!(written, our_ids);
+    holder.execute("ROLLBACK").await.unwrap();
+
+    for m in &ours {
+        assert_eq!(db.row(m.id).await.status, "sent");
     }
+    for m in &theirs {
+        assert_eq!(
+            db.row(m.id).await.status,
+            "sending",
+            "the other batch's row"
+        );
+    }
+
+    // The same for the stale-lock sweep: the other batch's rows held
+    // again, a third batch gone stale is released without waiting.
+    for i in 4..6 {
+        db.enqueue(mail(&format!("u{i}@example.com"), "x")).await;
+    }
+    let stale = claimed(&db, 2).await;
+    let mut stale_ids: Vec<i64> = stale.iter().map(|m| m.id).collect();
+    stale_ids.sort_unstable();
+    let listed = id_list(&stale_ids);
+    db.exec(&format!(
+        "UPDATE mail_queue SET locked_at = {} WHERE id IN ({listed})",
+        db.minus("locked_at", 3600)
+    ))
+    .await;
+    hold(&mut holder, by_id, &theirs_ids).await;
+    let released = tokio::time::timeout(
+        limit,
+        db.store.release_stale_locks(Duration::from_secs(60), &[]),
+    )
+    .await
+    .expect("the sweep waited on the other batch's rows")
+    .unwrap();
+    holder.execute("ROLLBACK").await.unwrap();
+    let mut released: Vec<i64> = released.iter().map(|r| r.id).collect();
+    released.sort_unstable();
+    assert_eq!(released, stale_ids);
+    for m in &theirs {
+        assert_eq!(
+            db.row(m.id).await.status,
+            "sending",
+            "the other batch's row"
+        );
+    }
+}
+
+/// A second PostgreSQL connection that locks rows as an application would.
+async fn postgres_holder(db: &TestDb) -> sqlx::PgConnection {
+    use sqlx::Connection;
+    sqlx::PgConnection::connect(&db.url).await.unwrap()
 }
 
 /// How the MariaDB holder locks rows: through the primary key (on a table

@@ -121,8 +121,14 @@ fn read_response(reader: &mut impl BufRead) -> std::io::Result<Response> {
 
 /// `GET path`, with the cookie if one is given; panics when nothing answers.
 pub fn get(port: u16, path: &str, cookie: Option<&str>) -> Response {
+    try_get(port, path, cookie).unwrap_or_else(|e| panic!("GET {path}: {e}"))
+}
+
+/// `GET path`, with the cookie if one is given; `Err` when nothing answers
+/// (yet, or any more) or the answer breaks off: for a test that polls.
+pub fn try_get(port: u16, path: &str, cookie: Option<&str>) -> std::io::Result<Response> {
     let headers: Vec<(&str, &str)> = cookie.map(|c| ("Cookie", c)).into_iter().collect();
-    request(port, "GET", path, &headers, None).unwrap_or_else(|e| panic!("GET {path}: {e}"))
+    request(port, "GET", path, &headers, None)
 }
 
 /// `POST path` of a form, with the cookie and extra headers given.
