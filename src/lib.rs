@@ -14,6 +14,7 @@
 //! - [`mail`]: a row's draft -> checked, maybe DKIM-signed message bytes.
 //! - [`smtp`]: the stage-aware SMTP client, its pool, fallback, file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.
+//! - [`feedback`]: bounces and complaints: VERP, parser, correlation, listener.
 //! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
 //! - [`http`]: `/metrics`, `/healthz` and the console (axum), from snapshots.
 //! - [`worker`]: claim -> send -> group commit; outcome policy, pacing, chores.
@@ -30,6 +31,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod dkim;
+pub mod feedback;
 pub mod http;
 pub mod mail;
 pub mod metrics;

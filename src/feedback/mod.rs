@@ -1,0 +1,3 @@
+//! Delivery reports that come back after the relay's 250 (DESIGN §12).
+
+pub mod parse;
