@@ -700,6 +700,7 @@ impl Shape {
             max_message_size: u64::MAX,
             max_recipients: 1000,
             dkim: None,
+            bounce: None,
         };
         tablemail::mail::prepare(&draft, &defaults)
             .expect("the bench mail builds")

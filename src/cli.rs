@@ -46,6 +46,75 @@ pub enum Command {
     Purge,
     /// Validate the configuration, reach the database and the relay.
     Check,
+    /// Record one delivery report (a bounce, a complaint) read from stdin:
+    /// for a Postfix pipe transport or a .forward. Exit 75 while the
+    /// database is away.
+    Ingest(IngestArgs),
+    /// The suppression list: addresses no mail goes to.
+    Suppress {
+        #[command(subcommand)]
+        command: SuppressCommand,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct IngestArgs {
+    /// The address the report was delivered to (the VERP address; Postfix:
+    /// ${original_recipient}); repeatable. Without it the report's own
+    /// headers are read.
+    #[arg(long, value_name = "ADDRESS")]
+    pub rcpt: Vec<String>,
+    /// Print what would be recorded; record nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// With --dry-run: print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum SuppressCommand {
+    /// The addresses on the list, in address order.
+    List {
+        /// Only this reason: hard_bounce, soft_bounce, complaint, manual.
+        #[arg(long)]
+        reason: Option<String>,
+        /// Only addresses containing this text.
+        #[arg(long)]
+        search: Option<String>,
+        /// Expired entries too.
+        #[arg(long)]
+        all: bool,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Put addresses on the list.
+    Add {
+        #[arg(required = true, value_name = "ADDRESS")]
+        addresses: Vec<String>,
+        /// hard_bounce, soft_bounce, complaint or manual.
+        #[arg(long, default_value = "manual")]
+        reason: String,
+        /// For this long (e.g. 30d); without it, until removed.
+        #[arg(long, value_name = "DURATION")]
+        expires: Option<String>,
+        /// A note kept with the entry.
+        #[arg(long)]
+        detail: Option<String>,
+    },
+    /// Take addresses off the list.
+    Remove {
+        #[arg(required = true, value_name = "ADDRESS")]
+        addresses: Vec<String>,
+    },
+    /// Add the entries of a CSV file: address,reason,created_at,expires_at.
+    Import {
+        #[arg(value_name = "FILE")]
+        file: PathBuf,
+    },
+    /// Print the list as CSV: address,reason,created_at,expires_at.
+    Export,
 }
 
 #[derive(Debug, Args)]

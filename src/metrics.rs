@@ -27,6 +27,8 @@ pub enum Outcome {
     Ambiguous,
     /// Back to `queued` with the attempt refunded (at once, or deferred).
     Released,
+    /// Every recipient is on the suppression list: never sent (DESIGN §12).
+    Suppressed,
 }
 
 impl Outcome {
@@ -37,15 +39,17 @@ impl Outcome {
             Outcome::Failed => "failed",
             Outcome::Ambiguous => "ambiguous",
             Outcome::Released => "released",
+            Outcome::Suppressed => "suppressed",
         }
     }
 
-    const ALL: [Outcome; 5] = [
+    const ALL: [Outcome; 6] = [
         Outcome::Sent,
         Outcome::Retry,
         Outcome::Failed,
         Outcome::Ambiguous,
         Outcome::Released,
+        Outcome::Suppressed,
     ];
 }
 
@@ -54,7 +58,7 @@ impl Outcome {
 #[derive(Debug, Default)]
 pub struct Metrics {
     /// Per [`Outcome`], in the order of `Outcome::ALL`.
-    outcomes: [AtomicU64; 5],
+    outcomes: [AtomicU64; 6],
     lock_lost: AtomicU64,
     /// Per bucket of `LATENCY_BUCKETS`, then +Inf.
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
@@ -69,6 +73,10 @@ pub struct Metrics {
     /// Configuration faults found at start (no sender, AUTH that would go
     /// in clear): mail waits until an operator fixes them and restarts.
     config_faults: std::sync::Mutex<Vec<String>>,
+    /// Recipients left out of envelopes as suppressed (DESIGN §12).
+    suppressed: AtomicU64,
+    /// Reports this daemon recorded, per kind of `FeedbackKind::ALL`.
+    feedback: [AtomicU64; 6],
 }
 
 impl Metrics {
@@ -138,6 +146,20 @@ impl Metrics {
         self.config_faults.lock().unwrap().push(reason.into());
     }
 
+    /// Recipients were left out of an envelope as suppressed.
+    pub fn recipients_suppressed(&self, count: usize) {
+        self.suppressed.fetch_add(count as u64, Ordering::Relaxed);
+    }
+
+    /// A report of this kind was recorded (one per recipient it names).
+    pub fn feedback(&self, kind: crate::store::FeedbackKind) {
+        let i = crate::store::FeedbackKind::ALL
+            .iter()
+            .position(|k| *k == kind)
+            .unwrap_or(0);
+        self.feedback[i].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// The configuration faults found at start.
     pub fn config_faults(&self) -> Vec<String> {
         self.config_faults.lock().unwrap().clone()
@@ -177,6 +199,19 @@ impl Metrics {
             "tablemail_attachment_bytes_sent_total {}",
             get(&self.attachment_bytes)
         );
+        out.push_str("# HELP tablemail_suppressed_total Recipients left out of envelopes because they are on the suppression list.\n");
+        out.push_str("# TYPE tablemail_suppressed_total counter\n");
+        let _ = writeln!(out, "tablemail_suppressed_total {}", get(&self.suppressed));
+        out.push_str("# HELP tablemail_feedback_total Delivery reports this daemon received, per recipient, by kind.\n");
+        out.push_str("# TYPE tablemail_feedback_total counter\n");
+        for (kind, counter) in crate::store::FeedbackKind::ALL.iter().zip(&self.feedback) {
+            let _ = writeln!(
+                out,
+                "tablemail_feedback_total{{kind=\"{}\"}} {}",
+                kind.as_str(),
+                get(counter)
+            );
+        }
         out.push_str("# HELP tablemail_log_lines_dropped_total Log lines dropped because stdout did not keep up.\n");
         out.push_str("# TYPE tablemail_log_lines_dropped_total counter\n");
         let _ = writeln!(

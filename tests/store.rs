@@ -1084,8 +1084,9 @@ async fn postgres_a_claim_planned_on_a_tiny_table_stays_on_the_indexes_after_a_b
 
 /// MariaDB has no partial indexes: status leads the pending index, and every
 /// status change moves the row's entry in it. The table keeps that index,
-/// the retention index (finished rows only, by a generated column) and the
-/// unique key, no index of its own for the rows in flight: they are found
+/// the retention index (finished rows only, by a generated column), the
+/// unique key and the relay queue id's, no index of its own for the rows in
+/// flight: they are found
 /// through the pending index's status prefix, and a stale-lock sweep among
 /// 20,000 finished rows reads the five rows being sent, not the table.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1106,7 +1107,10 @@ async fn mysql_the_stale_lock_sweep_reads_the_rows_in_flight_only() {
             "PRIMARY",
             "mail_queue_claim_idx",
             "mail_queue_dedupe_key_key",
-            "mail_queue_finished_idx"
+            "mail_queue_finished_idx",
+            // The relay's queue id: written once, by the outcome that sends
+            // the row (a claim leaves it alone).
+            "mail_queue_relay_queue_id_idx"
         ],
         "the indexes a claim and an outcome write"
     );
@@ -1223,7 +1227,7 @@ async fn mysql_retention_reads_the_rows_it_deletes() {
         )
         .await;
     assert!(!visible.iter().any(|c| c == "finished_status"));
-    assert_eq!(visible.len(), 26, "the table's columns: {visible:?}");
+    assert_eq!(visible.len(), 29, "the table's columns: {visible:?}");
 }
 
 /// Retention beside a claim on MariaDB: the first queued row is being stamped

@@ -58,7 +58,56 @@ pub(super) async fn purge(settings: &Settings) -> Result<()> {
         }
     }
     println!("{total} finished mails deleted");
+    let mut reports = 0;
+    loop {
+        let n = store
+            .purge_feedback(settings.retention.failed, 1000)
+            .await?;
+        reports += n;
+        if n < 1000 {
+            break;
+        }
+    }
+    println!("{reports} delivery reports and expired suppressions deleted");
     Ok(())
+}
+
+/// What `check` says of the delivery loop (DESIGN §12): the VERP sender,
+/// its SPF alignment with the default sender, the inbound listener. A
+/// misalignment is a warning: mail still goes, but receivers that check
+/// DMARC see an SPF domain that is not the From domain's.
+fn delivery_loop(settings: &Settings, defaults: &crate::mail::MessageDefaults) {
+    let Some(verp) = &defaults.bounce else {
+        println!("bounce.domain: not set: bounces go to the sender's own address");
+        return;
+    };
+    println!(
+        "bounce.domain: every mail's envelope sender is b-<id>-<tag>@{}",
+        verp.domain()
+    );
+    if let Some(from) = &defaults.from_address {
+        if !crate::config::aligned(verp.domain(), from.domain()) {
+            println!(
+                "warning: bounce.domain {} is not under the organisational domain of                  defaults.from_address's domain {}: SPF will not align for DMARC",
+                verp.domain(),
+                from.domain()
+            );
+        }
+    }
+    match &settings.inbound.listen {
+        Some(listen) => println!(
+            "inbound.listen: {listen} takes reports for {} (STARTTLS {})",
+            verp.domain(),
+            if settings.inbound.tls_cert_file.is_some() {
+                "offered"
+            } else {
+                "not offered"
+            }
+        ),
+        None => println!(
+            "inbound.listen: not set: deliver reports with `tablemail ingest` (a pipe transport)"
+        ),
+    }
 }
 
 pub(super) async fn check(settings: &Settings) -> Result<()> {
@@ -137,6 +186,7 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
             redact_addresses(to.as_ref())
         );
     }
+    delivery_loop(settings, &defaults);
     if problems.is_empty() {
         Ok(())
     } else {

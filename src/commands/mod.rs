@@ -6,9 +6,11 @@
 //! - [`enqueue`]: inserting mails from flags or JSON lines.
 //! - [`status`]: what the queue holds and how it fares; one mail (`show`).
 //! - [`admin`]: migrate, retry, cancel, purge, check.
+//! - [`feedback`]: ingest a report, the suppression list.
 
 mod admin;
 mod enqueue;
+pub mod feedback;
 mod run;
 mod status;
 
@@ -24,6 +26,9 @@ use crate::{
 
 pub const EXIT_RUNTIME: u8 = 1;
 pub const EXIT_CONFIG: u8 = 2;
+/// `tablemail ingest` while the database is away (EX_TEMPFAIL): the mail
+/// system that ran it delivers the report again later.
+pub const EXIT_TEMPFAIL: u8 = 75;
 
 /// The runtime's worker threads: one per core, at most this many. The
 /// daemon spends little CPU per mail, so more threads would only count
@@ -59,6 +64,9 @@ pub enum CommandError {
     /// Anything that went wrong while running: exit 1.
     #[error("{0}")]
     Runtime(String),
+    /// Try again later: exit 75.
+    #[error("{0}")]
+    TempFail(String),
 }
 
 impl From<StoreError> for CommandError {
@@ -82,6 +90,8 @@ pub async fn execute(command: Command, settings: Settings) -> ExitCode {
         Command::Cancel { id } => admin::cancel(&settings, id).await,
         Command::Purge => admin::purge(&settings).await,
         Command::Check => admin::check(&settings).await,
+        Command::Ingest(args) => feedback::ingest(&settings, args).await,
+        Command::Suppress { command } => feedback::suppress(&settings, command).await,
     };
     close_opened().await;
     match result {
@@ -94,6 +104,7 @@ pub async fn execute(command: Command, settings: Settings) -> ExitCode {
             ExitCode::from(match e {
                 CommandError::Usage(_) => EXIT_CONFIG,
                 CommandError::Runtime(_) => EXIT_RUNTIME,
+                CommandError::TempFail(_) => EXIT_TEMPFAIL,
             })
         }
     }
@@ -127,6 +138,11 @@ pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
         dkim: settings
             .dkim
             .signer()
+            .map_err(|e| CommandError::Usage(e.to_string()))?
+            .map(std::sync::Arc::new),
+        bounce: settings
+            .bounce
+            .verp()
             .map_err(|e| CommandError::Usage(e.to_string()))?
             .map(std::sync::Arc::new),
     })

@@ -5,9 +5,13 @@ use std::{sync::Arc, time::Duration};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    config::Settings,
+    config::{credential_path, Settings},
+    feedback::{
+        inbound::{self, Envelope, InboundOptions, Refusal, ReportSink},
+        record::Recorder,
+    },
     http, mail, shutdown,
-    store::Store,
+    store::{FeedbackSource, Store},
     systemd,
     telemetry::redact_addresses,
     worker::{retry, Worker},
@@ -60,6 +64,72 @@ fn config_faults(settings: &Settings, no_sender: bool) -> Vec<String> {
         ));
     }
     faults
+}
+
+/// Records what the inbound listener receives; `451` while it cannot.
+struct ListenerSink(Recorder);
+
+#[async_trait::async_trait]
+impl ReportSink for ListenerSink {
+    async fn deliver(&self, envelope: Envelope, message: Vec<u8>) -> Result<(), Refusal> {
+        match self
+            .0
+            .record(&message, &envelope.recipients, FeedbackSource::Smtp)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(e) => {
+                tracing::error!(error = %e, "report not recorded: the sender is told to try again");
+                Err(Refusal::Unavailable)
+            }
+        }
+    }
+}
+
+/// Binds `inbound.listen` and serves it until `cancel` fires.
+async fn start_inbound(
+    settings: &Settings,
+    recorder: Recorder,
+    cancel: CancellationToken,
+) -> Result<()> {
+    let inbound = &settings.inbound;
+    let listen = inbound.listen.as_deref().expect("checked by the caller");
+    let domain = recorder
+        .verp
+        .as_ref()
+        .map(|v| v.domain().to_string())
+        .ok_or_else(|| CommandError::Usage("inbound.listen needs bounce.domain".into()))?;
+    let tls = match (&inbound.tls_cert_file, &inbound.tls_key_file) {
+        (Some(cert), Some(key)) => Some(
+            inbound::load_tls(&credential_path(cert), &credential_path(key))
+                .map_err(|e| CommandError::Usage(format!("inbound.tls_cert_file: {e}")))?,
+        ),
+        _ => None,
+    };
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .map_err(|e| CommandError::Runtime(format!("inbound.listen {listen}: {e}")))?;
+    let options = InboundOptions {
+        max_message_size: inbound.max_message_size.0 as usize,
+        max_connections: inbound.max_connections,
+        timeout: inbound.timeout,
+        session_limit: inbound.session_limit,
+        ..InboundOptions::new(&domain, &mail::local_hostname())
+    };
+    let options = InboundOptions { tls, ..options };
+    tracing::info!(
+        listen,
+        bounce_domain = %domain,
+        starttls = options.tls.is_some(),
+        "inbound listener started"
+    );
+    tokio::spawn(inbound::serve(
+        listener,
+        options,
+        Arc::new(ListenerSink(recorder)),
+        cancel,
+    ));
+    Ok(())
 }
 
 pub(super) async fn run(settings: &Settings) -> Result<()> {
@@ -136,6 +206,10 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
         )
         .await
         .map_err(|e| CommandError::Runtime(e.to_string()))?;
+    }
+    if settings.inbound.listen.is_some() {
+        let recorder = super::feedback::recorder(settings, store.clone(), Some(worker.metrics()))?;
+        start_inbound(settings, recorder, cancel.clone()).await?;
     }
     // Migrated, and the database answered: ready to work.
     systemd::notify("READY=1");

@@ -250,6 +250,7 @@ fn redact_record(record: &mut MailRecord) {
     redact(&mut record.relay_reply);
     for event in &mut record.events {
         redact(&mut event.detail);
+        redact(&mut event.recipient);
     }
 }
 
@@ -271,6 +272,9 @@ fn print_record(r: &MailRecord) {
     println!("  processed_at       {}", optional(&r.processed_at));
     if r.retried_at.is_some() {
         println!("  retried_at         {}", optional(&r.retried_at));
+    }
+    if r.bounced_at.is_some() {
+        println!("  bounced_at         {}", optional(&r.bounced_at));
     }
     println!(
         "  message_id         {}",
@@ -329,8 +333,13 @@ fn print_record(r: &MailRecord) {
     } else {
         println!("history:");
         for e in &r.events {
+            let recipient = e
+                .recipient
+                .as_deref()
+                .map(|r| format!("{r}: "))
+                .unwrap_or_default();
             println!(
-                "  {}  attempt {:<3} {:<10} {:<9} {:<4} {}",
+                "  {}  attempt {:<3} {:<10} {:<9} {:<4} {recipient}{}",
                 time(&e.at),
                 e.attempt,
                 e.outcome,

@@ -62,14 +62,20 @@ pub(super) fn account_name(file: &str, id: u32) -> String {
         .unwrap_or_else(|| id.to_string())
 }
 
+/// Where a `*_file` key's file is: a relative path in
+/// `$CREDENTIALS_DIRECTORY` when that is set (systemd's `LoadCredential=`).
+pub fn credential_path(path: &Path) -> std::path::PathBuf {
+    match std::env::var_os("CREDENTIALS_DIRECTORY") {
+        Some(dir) if path.is_relative() => Path::new(&dir).join(path),
+        _ => path.to_path_buf(),
+    }
+}
+
 /// A secret kept in a file: a relative path is looked up in
 /// `$CREDENTIALS_DIRECTORY` first, which is where systemd's `LoadCredential=`
 /// puts it. One trailing line break is not part of the secret.
 pub(super) fn read_credential(key: &'static str, path: &Path) -> Result<SecretString> {
-    let path = match std::env::var_os("CREDENTIALS_DIRECTORY") {
-        Some(dir) if path.is_relative() => Path::new(&dir).join(path),
-        _ => path.to_path_buf(),
-    };
+    let path = credential_path(path);
     let text = std::fs::read_to_string(&path).map_err(|e| ConfigError::Invalid {
         key,
         reason: format!("cannot read {}: {e}", path.display()),

@@ -6,6 +6,8 @@
 //!
 //! - `sections`: one struct per section, its defaults and the client it
 //!   builds.
+//! - `delivery`: the delivery loop's sections (bounce, inbound,
+//!   suppression).
 //! - `files`: the config file and credential files.
 
 use std::{path::Path, time::Duration};
@@ -15,9 +17,12 @@ use serde::Deserialize;
 
 use crate::smtp::TransportKind;
 
+mod delivery;
 mod files;
 mod sections;
 
+pub use delivery::*;
+pub use files::credential_path;
 use files::{check_readable, read_credential};
 pub use sections::*;
 
@@ -46,6 +51,9 @@ pub struct Settings {
     pub metrics: MetricsSettings,
     pub dkim: DkimSettings,
     pub console: ConsoleSettings,
+    pub bounce: BounceSettings,
+    pub inbound: InboundSettings,
+    pub suppression: SuppressionSettings,
 }
 
 impl Settings {
@@ -250,6 +258,50 @@ impl Settings {
         }
         // Read now, so that a missing or short token stops the start (exit 2).
         self.console.token()?;
+        if let Some(domain) = &self.bounce.domain {
+            let valid = !domain.is_empty()
+                && domain.trim_end_matches('.').split('.').all(|label| {
+                    !label.is_empty()
+                        && label.len() <= 63
+                        && label
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                });
+            if !valid {
+                return Err(invalid(
+                    "bounce.domain",
+                    "not a domain name such as `bounces.example.com` (A-labels)",
+                ));
+            }
+        }
+        self.bounce.verp()?;
+        let inbound = &self.inbound;
+        if let Some(listen) = &inbound.listen {
+            listen
+                .parse::<std::net::SocketAddr>()
+                .map_err(|e| invalid("inbound.listen", format!("`{listen}`: {e}")))?;
+            if self.bounce.domain.is_none() {
+                return Err(invalid(
+                    "inbound.listen",
+                    "needs bounce.domain: the listener takes mail for that domain only",
+                ));
+            }
+        }
+        if inbound.tls_cert_file.is_some() != inbound.tls_key_file.is_some() {
+            return Err(invalid(
+                "inbound.tls_key_file",
+                "set inbound.tls_cert_file and inbound.tls_key_file together",
+            ));
+        }
+        if inbound.max_connections == 0 {
+            return Err(invalid("inbound.max_connections", "must be at least 1"));
+        }
+        if inbound.timeout.is_zero() || inbound.session_limit.is_zero() {
+            return Err(invalid(
+                "inbound.timeout",
+                "inbound.timeout and inbound.session_limit must be above zero",
+            ));
+        }
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", e.to_string()))?;
         Ok(())

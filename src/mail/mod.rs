@@ -80,6 +80,9 @@ pub struct MessageDefaults {
     pub max_recipients: usize,
     /// Signs mails from its domain (`dkim.*`).
     pub dkim: Option<std::sync::Arc<crate::dkim::Signer>>,
+    /// The VERP envelope sender (`bounce.*`, DESIGN §12): every mail leaves
+    /// with `MAIL FROM:<b-<id>-<tag>@<bounce.domain>>`.
+    pub bounce: Option<std::sync::Arc<crate::feedback::verp::Verp>>,
 }
 
 /// A message ready for the wire.
@@ -246,6 +249,90 @@ fn check_columns(mail: &Draft<'_>) -> Result<(), MailError> {
             header::check_text(|| field.to_string(), value)?;
         }
     }
+    Ok(())
+}
+
+/// How the suppression list keys an address (DESIGN §12): lower-cased,
+/// the domain as A-labels.
+pub fn suppression_key(address: &Address) -> String {
+    let mut key = String::with_capacity(address.user().len() + address.domain().len() + 1);
+    key.push_str(address.user());
+    key.push('@');
+    key.push_str(address.domain());
+    key.make_ascii_lowercase();
+    if !key.is_ascii() {
+        key = key.to_lowercase();
+    }
+    key
+}
+
+/// An address as an operator or a report gives it (`a@example.com`, with
+/// or without angle brackets), as its suppression key.
+pub fn address_key(text: &str) -> Result<String, MailError> {
+    let text = text.trim();
+    let text = text
+        .strip_prefix('<')
+        .and_then(|t| t.strip_suffix('>'))
+        .unwrap_or(text);
+    address::parse_bare("address", text).map(|a| suppression_key(&a))
+}
+
+/// The envelope recipients of a row (to, cc, bcc) as suppression keys,
+/// without repeats. None when a list does not parse or holds more than
+/// `max` addresses: such a mail fails when it is built, and the lookup
+/// would be wasted.
+pub fn recipient_keys(to: &str, cc: Option<&str>, bcc: Option<&str>, max: usize) -> Vec<String> {
+    let lists = [Some(to), cc, bcc];
+    let count: usize = lists
+        .iter()
+        .flatten()
+        .map(|list| address::entries(list).count())
+        .sum();
+    if count > max {
+        return Vec::new();
+    }
+    let mut keys: Vec<String> = Vec::with_capacity(count);
+    for (field, list) in ["to_address", "cc", "bcc"].into_iter().zip(lists) {
+        let Ok(mailboxes) = address::parse_list(field, list) else {
+            return Vec::new();
+        };
+        for mailbox in mailboxes {
+            let key = suppression_key(&mailbox.address());
+            if !keys.contains(&key) {
+                keys.push(key);
+            }
+        }
+    }
+    keys
+}
+
+/// Leaves the addresses `out` (suppression keys) out of the envelope, and
+/// their domains out of the recipient domains when no other recipient has
+/// them; `false` when no recipient is left.
+pub fn leave_out(prepared: &mut PreparedMail, out: &[String]) -> bool {
+    let kept: Vec<Address> = prepared
+        .envelope
+        .to()
+        .iter()
+        .filter(|a| !out.contains(&suppression_key(a)))
+        .cloned()
+        .collect();
+    if kept.is_empty() {
+        return false;
+    }
+    let domains: BTreeSet<String> = kept.iter().map(|a| a.domain().to_string()).collect();
+    prepared.recipient_domains = domains.into_iter().collect();
+    prepared.envelope = lettre::address::Envelope::new(prepared.envelope.from().cloned(), kept)
+        .expect("a sender and at least one recipient");
+    true
+}
+
+/// Replaces the envelope sender (VERP, DESIGN §12); the From header stays.
+pub fn set_envelope_sender(prepared: &mut PreparedMail, sender: &str) -> Result<(), MailError> {
+    let sender = address::parse_bare("bounce.domain", sender)?;
+    prepared.envelope =
+        lettre::address::Envelope::new(Some(sender), prepared.envelope.to().to_vec())
+            .map_err(|e| MailError::Build(e.to_string()))?;
     Ok(())
 }
 

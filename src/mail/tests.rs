@@ -96,6 +96,7 @@ fn defaults() -> MessageDefaults {
         max_message_size: 25_000_000,
         max_recipients: 1000,
         dkim: None,
+        bounce: None,
     }
 }
 

@@ -128,6 +128,22 @@ pub struct QueuedMail {
     /// the claim's `inline_limit`); otherwise [`Store::load_content`] reads
     /// them when the mail is sent.
     pub content: Option<MailContent>,
+    /// What the suppression list says of its recipients; the worker reads
+    /// it for the whole claim at once.
+    pub suppression: SuppressionCheck,
+}
+
+/// What the suppression list said of a claimed row's recipients (DESIGN
+/// §12).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum SuppressionCheck {
+    /// Not read yet (a large row: its recipients come with its content).
+    #[default]
+    Unchecked,
+    /// These recipients are left out of the envelope (none: empty).
+    Checked(Vec<super::Suppressed>),
+    /// The list could not be read: the mail waits, unspent.
+    Unavailable,
 }
 
 /// A mail's size in octets as stored, known from the claim before any of

@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     conns::Conns,
-    shared::{Queries, Shared},
+    shared::{FeedbackQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, Enqueued, Finalize, Finished, Maintenance, NewMail, QueuedMail,
     Result, StaleRow,
 };
@@ -28,6 +28,8 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
 
     /// The SQL of the operations written once.
     const QUERIES: &'static Queries;
+    /// The delivery loop's SQL.
+    const FEEDBACK: &'static FeedbackQueries;
     /// Durations as its SQL counts them.
     const UNIT: fn(Duration) -> i64;
 
@@ -41,6 +43,14 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
     fn claim_pool<'a>(&'a self, shared: &'a Shared<Self::DB>) -> &'a Conns<Self::DB> {
         &shared.pool
     }
+
+    /// `sql` is [`FeedbackQueries::suppressed_among`]; `addresses` is never
+    /// empty.
+    fn suppressed_among(
+        c: &mut Conn<Self>,
+        sql: &'static str,
+        addresses: Vec<String>,
+    ) -> impl Future<Output = Result<Vec<super::Suppressed>, sqlx::Error>> + Send;
 
     /// `writes` is never empty.
     fn finalize(

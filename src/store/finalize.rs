@@ -97,6 +97,9 @@ pub enum FinalAction {
         error: String,
         counted: bool,
     },
+    /// `suppressed` for good, the attempt refunded: every recipient is on
+    /// the suppression list, so nothing was sent (DESIGN §12).
+    Suppressed { error: String },
 }
 
 /// What happens to `relay_down_count`.
@@ -162,6 +165,14 @@ impl FinalAction {
                 CountWrite::Reset,
             ),
             FinalAction::Release => ("queued", -1, None, true, false, CountWrite::Keep),
+            FinalAction::Suppressed { error } => (
+                "suppressed",
+                -1,
+                Some(error.as_str()),
+                true,
+                true,
+                CountWrite::Reset,
+            ),
             FinalAction::Defer {
                 delay,
                 error,
@@ -201,6 +212,14 @@ pub(crate) struct EventColumns<'a> {
 }
 
 impl Finalize {
+    /// The relay's queue id in its reply to ".", kept indexed so that a
+    /// report naming only it finds the mail.
+    pub(crate) fn relay_queue_id(&self) -> Option<&str> {
+        self.relay_reply
+            .as_deref()
+            .and_then(super::feedback::relay_queue_id)
+    }
+
     /// Its history row, if it gets one; the detail defaults to the new
     /// `last_error`.
     pub(crate) fn event_columns(&self) -> Option<EventColumns<'_>> {
@@ -231,6 +250,7 @@ impl Finalize {
         let texts = [
             self.action.columns().error,
             self.relay_reply.as_deref(),
+            self.relay_queue_id(),
             self.event.as_ref().and_then(|e| e.detail.as_deref()),
         ];
         texts.iter().flatten().map(|t| t.len() + 4).sum()
@@ -323,18 +343,18 @@ mod tests {
                 detail: None,
             }),
         };
-        let json = finalize_rows_json(&[sent(7, "250 ok"), retry.clone()]);
+        let json = finalize_rows_json(&[sent(7, "250 Ok: queued as 4XyZ"), retry.clone()]);
         let nil = "00000000-0000-0000-0000-000000000000";
         assert_eq!(
             json,
             format!(
-                "[[7,\"{nil}\",\"sent\",-1,null,0,1,0,\"250 ok\"],\
-                 [999999999999999,\"{nil}\",\"queued\",604800000,\"RCPT TO: 450 4.2.0 busy\",0,1,0,null,\
+                "[[7,\"{nil}\",\"sent\",-1,null,0,1,0,\"250 Ok: queued as 4XyZ\",\"4XyZ\"],\
+                 [999999999999999,\"{nil}\",\"queued\",604800000,\"RCPT TO: 450 4.2.0 busy\",0,1,0,null,null,\
                  12,\"retry\",\"rcpt\",450,null]]"
             )
         );
         let alone = finalize_rows_json(std::slice::from_ref(&retry));
-        assert!(alone.len() - 2 <= 80 + 40 + retry.text_size(), "{alone}");
+        assert!(alone.len() - 2 <= 85 + 40 + retry.text_size(), "{alone}");
         let mut failed = sent(999_999_999_999_999, "");
         failed.relay_reply = None;
         failed.action = FinalAction::Failed {
@@ -342,7 +362,7 @@ mod tests {
             relay_down: true,
         };
         let alone = finalize_rows_json(std::slice::from_ref(&failed));
-        assert!(alone.len() - 2 <= 80 + failed.text_size(), "{alone}");
+        assert!(alone.len() - 2 <= 85 + failed.text_size(), "{alone}");
     }
 
     #[test]

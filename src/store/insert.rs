@@ -12,6 +12,7 @@ use super::{rows::Bind, Enqueued, NewMail};
 pub(crate) enum Param<'a> {
     Text(&'a str),
     Int(i32),
+    Bool(bool),
     Time(DateTime<Utc>),
     Json(String),
 }
@@ -42,6 +43,9 @@ pub(crate) fn insert_columns(mail: &NewMail) -> Vec<(&'static str, Param<'_>)> {
     if let Some(a) = mail.attempts_remaining {
         cols.push(("attempts_remaining", Param::Int(a)));
     }
+    if let Some(b) = mail.bypass_suppression {
+        cols.push(("bypass_suppression", Param::Bool(b)));
+    }
     if let Some(t) = mail.send_at {
         cols.push(("send_at", Param::Time(t)));
     }
@@ -65,6 +69,7 @@ pub(crate) fn insert_query<'a, DB>(
 where
     DB: Database,
     i32: Bind<DB>,
+    bool: Bind<DB>,
     DateTime<Utc>: Bind<DB>,
     String: Bind<DB>,
 {
@@ -86,6 +91,7 @@ where
             // `'static` (a limit of higher-ranked bounds in async code).
             Param::Text(t) => query.bind(t.to_string()),
             Param::Int(i) => query.bind(i),
+            Param::Bool(b) => query.bind(b),
             Param::Time(t) => query.bind(t),
             Param::Json(j) => query.bind(j),
         };
@@ -112,6 +118,7 @@ where
     i64: Bind<DB>,
     Vec<u8>: Bind<DB>,
     i32: Bind<DB>,
+    bool: Bind<DB>,
     DateTime<Utc>: Bind<DB>,
     String: Bind<DB>,
     for<'r> i64: Decode<'r, DB> + Type<DB>,

@@ -16,6 +16,7 @@
 //! - [`finalize`]: what becomes of a claimed row, and its history row.
 //! - [`new_mail`]: what applications insert.
 //! - [`records`]: what operators read back and do.
+//! - [`feedback`]: reports, their history rows, the suppression list.
 //! - [`error`]: [`StoreError`], by what to do about it.
 //! - `dialect`: what each database does its own way.
 //! - `sql_store`: the one `Store`, written once over any dialect.
@@ -34,6 +35,7 @@ mod claim;
 mod conns;
 mod dialect;
 mod error;
+mod feedback;
 mod finalize;
 mod insert;
 mod migrations;
@@ -47,8 +49,15 @@ mod sql_store;
 mod sqlite;
 
 pub(crate) use claim::ClaimBinds;
-pub use claim::{Attachment, BatchLock, Claim, MailContent, MailSizes, QueuedMail};
+pub use claim::{
+    Attachment, BatchLock, Claim, MailContent, MailSizes, QueuedMail, SuppressionCheck,
+};
 pub use error::{Result, StoreError};
+pub use feedback::{
+    relay_queue_id, FeedbackCount, FeedbackItem, FeedbackKind, FeedbackRecord, FeedbackRecorded,
+    FeedbackSource, FeedbackTarget, NewSuppression, RecipientEvent, Suppressed, SuppressionEntry,
+    SuppressionFilter, SuppressionPolicy, SuppressionReason,
+};
 pub use finalize::{
     CountWrite, Event, EventOutcome, FinalAction, FinalColumns, Finalize, StaleRow, UnlockedRow,
 };
@@ -237,6 +246,48 @@ pub trait Store: Send + Sync + 'static {
     /// Sent and failed per minute over the last `minutes` minutes, oldest
     /// first (minutes without any are left out).
     async fn minutes(&self, minutes: u32) -> Result<Vec<MinuteCount>>;
+
+    /// The entries in force among `addresses` (normalised): one indexed
+    /// lookup for a whole claim.
+    async fn suppressed_among(&self, addresses: &[String]) -> Result<Vec<Suppressed>>;
+
+    /// Those of `ids` whose row says `bypass_suppression`.
+    async fn bypassing_suppression(&self, ids: &[i64]) -> Result<Vec<i64>>;
+
+    /// History rows about single recipients (those left out as suppressed).
+    async fn add_recipient_events(&self, events: &[RecipientEvent]) -> Result<()>;
+
+    /// The mail with this id, as a report may speak of it.
+    async fn feedback_target(&self, id: i64) -> Result<Option<FeedbackTarget>>;
+
+    /// The one mail whose relay queue id this is; `None` for none or several.
+    async fn feedback_target_by_queue_id(&self, queue_id: &str) -> Result<Option<FeedbackTarget>>;
+
+    /// Records a report in one transaction: its rows in `mail_feedback`,
+    /// and for what it proved, the history rows, the suppression list and
+    /// the mail's `bounced` status.
+    async fn record_feedback(&self, record: &FeedbackRecord) -> Result<FeedbackRecorded>;
+
+    /// The suppression list in address order, after `after`, at most `limit`.
+    async fn suppression_list(
+        &self,
+        filter: &SuppressionFilter,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<SuppressionEntry>>;
+
+    /// An operator's entries, each replacing what the address had.
+    async fn suppress(&self, entries: &[NewSuppression]) -> Result<u64>;
+
+    /// Removes these addresses; returns how many were there.
+    async fn unsuppress(&self, addresses: &[String]) -> Result<u64>;
+
+    /// Reports received within `within`, by kind.
+    async fn feedback_counts(&self, within: Duration) -> Result<Vec<FeedbackCount>>;
+
+    /// Deletes up to `limit` reports older than `older_than`, and the
+    /// suppression entries that have expired.
+    async fn purge_feedback(&self, older_than: Duration, limit: usize) -> Result<u64>;
 }
 
 /// Connects to the database named by `url` (the pool connects lazily).

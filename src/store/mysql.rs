@@ -30,7 +30,7 @@ use super::{
     insert::{insert_attachments, insert_columns, insert_query},
     migrations::MYSQL,
     rows::{self, finalize_rows_json, held_json, locks_json},
-    shared::{self, id_list_len, portable, Queries, Shared},
+    shared::{self, id_list_len, portable, FeedbackQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Finished, NewMail,
     QueuedMail, Result, StaleRow,
 };
@@ -219,7 +219,8 @@ UPDATE JSON_TABLE(?, '$[*]' COLUMNS (
         refund INT PATH '$[5]',
         processed INT PATH '$[6]',
         relay_down INT PATH '$[7]',
-        reply TEXT PATH '$[8]'
+        reply TEXT PATH '$[8]',
+        qid VARCHAR(255) PATH '$[9]'
     )) AS f
 STRAIGHT_JOIN mail_queue AS m FORCE INDEX (PRIMARY)
   ON m.id = f.id AND m.thread_lock = f.lk AND m.status = 'sending'
@@ -234,6 +235,7 @@ SET m.send_at = CASE WHEN f.delay_ms >= 0
                                            ELSE m.relay_down_count END,
     m.last_error = COALESCE(f.err, m.last_error),
     m.relay_reply = COALESCE(f.reply, m.relay_reply),
+    m.relay_queue_id = COALESCE(f.qid, m.relay_queue_id),
     m.thread_lock = NULL,
     m.locked_at = NULL,
     m.status = f.st
@@ -248,11 +250,11 @@ SELECT f.id, f.attempt, f.outcome, f.stage, f.code, COALESCE(f.detail, f.err)
 FROM JSON_TABLE(?, '$[*]' COLUMNS (
         id BIGINT PATH '$[0]',
         err TEXT PATH '$[4]',
-        attempt INT PATH '$[9]',
-        outcome VARCHAR(16) PATH '$[10]',
-        stage VARCHAR(16) PATH '$[11]',
-        code INT PATH '$[12]',
-        detail TEXT PATH '$[13]'
+        attempt INT PATH '$[10]',
+        outcome VARCHAR(16) PATH '$[11]',
+        stage VARCHAR(16) PATH '$[12]',
+        code INT PATH '$[13]',
+        detail TEXT PATH '$[14]'
     )) AS f
 WHERE f.outcome IS NOT NULL AND f.id IN "#;
 
@@ -299,6 +301,12 @@ WHERE m.status IN ('failed', 'cancelled')
   AND m.processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
   AND m.id IN "#;
 
+const PURGE_BOUNCED_BY_ID: &str = r#"
+DELETE m FROM mail_queue AS m FORCE INDEX (PRIMARY)
+WHERE m.status IN ('bounced', 'suppressed')
+  AND m.processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+  AND m.id IN "#;
+
 /// The history rows of rows RELEASE_STALE just released (an IN list of
 /// their ids follows).
 const STALE_EVENTS: &str = r#"
@@ -307,6 +315,88 @@ SELECT id, attempts, 'stale', 'lock',
        CASE WHEN status = 'queued' THEN 'lock expired: the worker stopped during this attempt'
             ELSE 'lock expired: the worker stopped during the last attempt' END
 FROM mail_queue WHERE id IN "#;
+
+/// The delivery loop's SQL (DESIGN §12). In the upserts every column is
+/// assigned from what the row held before `expires_at`, which comes last:
+/// MySQL assigns left to right, each assignment seeing the ones before it.
+static FEEDBACK: FeedbackQueries = FeedbackQueries {
+    insert_feedback: r#"
+INSERT INTO mail_feedback (source, mail_id, recipient, kind, status, diagnostic, matched, size, raw)
+SELECT ?, (SELECT id FROM mail_queue WHERE id = ?), ?, ?, ?, ?, ?, ?, ?
+"#,
+    insert_report_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail, recipient)
+SELECT id, attempts, ?, 'report', ?, ?, ? FROM mail_queue WHERE id = ?
+"#,
+    insert_recipient_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, recipient, detail)
+VALUES (?, ?, ?, 'suppression', ?, ?)
+"#,
+    suppress_permanent: r#"
+INSERT INTO mail_suppression (address, reason, detail, mail_id) VALUES (?, ?, ?, ?)
+ON DUPLICATE KEY UPDATE
+    reason = IF(expires_at IS NULL, reason, VALUES(reason)),
+    detail = IF(expires_at IS NULL, detail, VALUES(detail)),
+    mail_id = IF(expires_at IS NULL, mail_id, VALUES(mail_id)),
+    created_at = IF(expires_at IS NULL, created_at, UTC_TIMESTAMP(6)),
+    expires_at = NULL
+"#,
+    suppress_until: r#"
+INSERT INTO mail_suppression (address, reason, detail, mail_id, expires_at)
+VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
+ON DUPLICATE KEY UPDATE
+    reason = IF(expires_at IS NULL, reason, VALUES(reason)),
+    detail = IF(expires_at IS NULL, detail, VALUES(detail)),
+    mail_id = IF(expires_at IS NULL, mail_id, VALUES(mail_id)),
+    created_at = IF(expires_at IS NULL, created_at, UTC_TIMESTAMP(6)),
+    expires_at = IF(expires_at IS NULL, NULL, GREATEST(expires_at, VALUES(expires_at)))
+"#,
+    suppress_manual: r#"
+INSERT INTO mail_suppression (address, reason, detail, expires_at)
+VALUES (?, ?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)
+ON DUPLICATE KEY UPDATE
+    reason = VALUES(reason), detail = VALUES(detail), mail_id = NULL,
+    created_at = UTC_TIMESTAMP(6), expires_at = VALUES(expires_at)
+"#,
+    unsuppress: "DELETE FROM mail_suppression WHERE address = ?",
+    soft_bounces: r#"
+SELECT COUNT(*) AS count FROM mail_feedback
+WHERE recipient = ? AND matched AND kind = 'soft_bounce'
+  AND received_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+"#,
+    hard_bounced: r#"
+SELECT DISTINCT recipient FROM mail_feedback
+WHERE mail_id = ? AND matched AND kind = 'hard_bounce' AND recipient IS NOT NULL
+"#,
+    mark_bounced: r#"
+UPDATE mail_queue SET status = 'bounced', bounced_at = UTC_TIMESTAMP(6)
+WHERE id = ? AND status IN ('sent', 'unknown')
+"#,
+    target_columns: "SELECT id, status, message_id, to_address, cc, bcc FROM mail_queue WHERE ",
+    left_out: r#"
+SELECT DISTINCT e.recipient FROM mail_event AS e
+JOIN mail_queue AS m ON m.id = e.mail_id AND e.attempt = m.attempts
+WHERE e.mail_id = ? AND e.outcome = 'suppressed' AND e.recipient IS NOT NULL
+"#,
+    suppressed_among: r#"
+SELECT address, reason FROM mail_suppression
+WHERE (expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6)) AND address IN ("#,
+    suppression_columns: r#"
+SELECT address, reason, detail, mail_id, created_at, expires_at FROM mail_suppression WHERE 1 = 1"#,
+    in_force: "(expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6))",
+    feedback_counts: r#"
+SELECT kind, COUNT(*) AS count FROM mail_feedback
+WHERE received_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+GROUP BY kind
+"#,
+    purge_feedback: r#"
+DELETE FROM mail_feedback
+WHERE received_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+ORDER BY received_at
+LIMIT ?
+"#,
+    purge_suppression: "DELETE FROM mail_suppression WHERE expires_at < UTC_TIMESTAMP(6)",
+};
 
 static QUERIES: Queries = Queries {
     placeholder: |_| "?".to_string(),
@@ -333,7 +423,7 @@ WHERE minute >= DATE_FORMAT(UTC_TIMESTAMP(6), '%Y-%m-%d %H:%i:00') - INTERVAL 15
     failure_groups: r#"
 SELECT outcome, stage, smtp_code, COUNT(*) AS count, MAX(detail) AS example
 FROM mail_event
-WHERE at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AND outcome NOT IN ('retried', 'cancelled')
+WHERE at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND AND outcome IN ('retry', 'failed', 'unknown', 'deferred', 'released', 'stale')
 GROUP BY outcome, stage, smtp_code
 ORDER BY COUNT(*) DESC, outcome, stage, smtp_code
 "#,
@@ -392,9 +482,16 @@ WHERE finished_status IN ('failed', 'cancelled')
 ORDER BY processed_at
 LIMIT ?
 "#,
+    purge_bounced: r#"
+SELECT id FROM mail_queue
+WHERE finished_status IN ('bounced', 'suppressed')
+  AND processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
+ORDER BY processed_at
+LIMIT ?
+"#,
     mail_columns: r#"
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
-       retried_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
+       retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
        from_address, to_address, cc, bcc, reply_to, body, body_html,
        CAST(headers AS CHAR) AS headers
 FROM mail_queue "#,
@@ -403,7 +500,7 @@ SELECT filename, content_type, LENGTH(content) AS size, content_id
 FROM mail_attachment WHERE mail_id = ? ORDER BY id
 "#,
     events_of: r#"
-SELECT at, attempt, outcome, stage, smtp_code, detail FROM mail_event
+SELECT at, attempt, outcome, stage, smtp_code, detail, recipient FROM mail_event
 WHERE mail_id = ? ORDER BY id
 "#,
     summary_columns: r#"
@@ -559,6 +656,7 @@ impl Dialect for MySql {
     const BACKEND: Backend = Backend::Mysql;
 
     const QUERIES: &'static Queries = &QUERIES;
+    const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
     const UNIT: fn(Duration) -> i64 = shared::micros;
 
     async fn claim(c: &mut MySqlConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {
@@ -590,6 +688,24 @@ impl Dialect for MySql {
     /// transaction is rolled back and done again the careful way: the rows
     /// locked first, in id order, to see which are still ours (MariaDB's
     /// UPDATE reports no row ids), and only their outcomes written.
+    async fn suppressed_among(
+        c: &mut MySqlConnection,
+        sql: &'static str,
+        mut addresses: Vec<String>,
+    ) -> Result<Vec<super::Suppressed>, sqlx::Error> {
+        // A list of few lengths, the last address again in the places
+        // beyond (`id_list_len`: why).
+        let last = addresses[addresses.len() - 1].clone();
+        addresses.resize(shared::id_list_len(addresses.len()), last);
+        let placeholders: Vec<String> = (1..=addresses.len()).map(QUERIES.placeholder).collect();
+        let sql = format!("{sql}{})", placeholders.join(", "));
+        let mut query = sqlx::query_as(AssertSqlSafe(sql));
+        for address in addresses {
+            query = query.bind(address);
+        }
+        query.fetch_all(c).await
+    }
+
     async fn finalize(
         c: &mut MySqlConnection,
         writes: Vec<Finalize>,
@@ -597,10 +713,10 @@ impl Dialect for MySql {
         let mut ids: Vec<i64> = writes.iter().map(|w| w.id).collect();
         ids.sort_unstable();
         // One statement per chunk of JSON small enough for the wire (each
-        // outcome an array of about 65 bytes besides its texts, counted as
-        // 80 for longer ids, statuses and delays; a history row's fields
+        // outcome an array of about 70 bytes besides its texts, counted as
+        // 85 for longer ids, statuses and delays; a history row's fields
         // about 30 more), in id order.
-        let chunks = wire_chunks(writes, STATEMENT_BUDGET, 80, 40);
+        let chunks = wire_chunks(writes, STATEMENT_BUDGET, 85, 40);
         let mut tx = c.begin().await?;
         if write_outcomes(&mut tx, &chunks, true).await? {
             tx.commit().await?;
@@ -690,6 +806,7 @@ impl Dialect for MySql {
         let (pick, delete) = match kind {
             Finished::Sent => (QUERIES.purge_sent, PURGE_SENT_BY_ID),
             Finished::FailedOrCancelled => (QUERIES.purge_failed, PURGE_FAILED_BY_ID),
+            Finished::BouncedOrSuppressed => (QUERIES.purge_bounced, PURGE_BOUNCED_BY_ID),
         };
         let mut ids: Vec<i64> = sqlx::query_scalar(pick)
             .bind(older_than)

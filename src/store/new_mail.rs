@@ -37,6 +37,9 @@ pub struct NewMail {
     pub headers: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default)]
     pub message_id: Option<String>,
+    /// Sent even to recipients on the suppression list (DESIGN §12).
+    #[serde(default)]
+    pub bypass_suppression: Option<bool>,
     /// Inserted with the mail, in the same transaction, in this order.
     #[serde(default)]
     pub attachments: Vec<NewAttachment>,

@@ -22,7 +22,7 @@ use super::{
     insert::{self, Param},
     migrations::POSTGRES,
     rows::{self, inline_columns},
-    shared::{self, portable, Queries, Shared},
+    shared::{self, portable, FeedbackQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
     QueuedMail, Result, StaleRow, StoreError,
 };
@@ -236,10 +236,11 @@ SET status = f.status,
     thread_lock = NULL,
     locked_at = NULL,
     last_error = COALESCE(f.last_error, m.last_error),
-    relay_reply = COALESCE(f.relay_reply, m.relay_reply)
+    relay_reply = COALESCE(f.relay_reply, m.relay_reply),
+    relay_queue_id = COALESCE(f.relay_queue_id, m.relay_queue_id)
 FROM unnest($1::bigint[], $2::uuid[], $3::text[], $4::bigint[], $5::text[], $6::int2[],
-            $7::text[])
-     AS f(id, lock, status, delay_ms, last_error, flags, relay_reply)
+            $7::text[], $8::text[])
+     AS f(id, lock, status, delay_ms, last_error, flags, relay_reply, relay_queue_id)
 WHERE m.id = f.id AND m.thread_lock = f.lock AND m.status = 'sending'
 RETURNING m.id
 "#
@@ -257,7 +258,7 @@ const FINALIZE_WITH_EVENTS: &str = concat!(
     r#"), history AS (
     INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail)
     SELECT e.id, e.attempt, e.outcome, e.stage, e.smtp_code, e.detail
-    FROM unnest($8::bigint[], $9::int[], $10::text[], $11::text[], $12::int[], $13::text[])
+    FROM unnest($9::bigint[], $10::int[], $11::text[], $12::text[], $13::int[], $14::text[])
          AS e(id, attempt, outcome, stage, smtp_code, detail)
     JOIN done ON done.id = e.id
 )
@@ -267,8 +268,8 @@ SELECT id FROM done
 
 /// On the wire, per outcome of FINALIZE (binary arrays: a length word and
 /// the value per element): id 12, lock 20, status up to 13, delay 12, flags
-/// 6, and the length words of the two texts, 8.
-const FINALIZE_FIXED: usize = 71;
+/// 6, and the length words of the three texts, 12.
+const FINALIZE_FIXED: usize = 75;
 /// And per history row: id 12, attempt 8, outcome up to 13, stage up to 14,
 /// code 8, the detail's length word 4.
 const FINALIZE_EVENT: usize = 59;
@@ -307,6 +308,90 @@ WITH released AS (
 SELECT id, requeued FROM released
 "#;
 
+/// The delivery loop's SQL (DESIGN §12).
+static FEEDBACK: FeedbackQueries = FeedbackQueries {
+    insert_feedback: r#"
+INSERT INTO mail_feedback (source, mail_id, recipient, kind, status, diagnostic, matched, size, raw)
+VALUES ($1, (SELECT id FROM mail_queue WHERE id = $2), $3, $4, $5, $6, $7, $8, $9)
+"#,
+    insert_report_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail, recipient)
+SELECT id, attempts, $1, 'report', $2, $3, $4 FROM mail_queue WHERE id = $5
+"#,
+    insert_recipient_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, recipient, detail)
+VALUES ($1, $2, $3, 'suppression', $4, $5)
+"#,
+    suppress_permanent: r#"
+INSERT INTO mail_suppression (address, reason, detail, mail_id) VALUES ($1, $2, $3, $4)
+ON CONFLICT (address) DO UPDATE
+SET reason = excluded.reason, detail = excluded.detail, mail_id = excluded.mail_id,
+    created_at = now(), expires_at = NULL
+WHERE mail_suppression.expires_at IS NOT NULL
+"#,
+    suppress_until: r#"
+INSERT INTO mail_suppression (address, reason, detail, mail_id, expires_at)
+VALUES ($1, $2, $3, $4, now() + $5 * interval '1 millisecond')
+ON CONFLICT (address) DO UPDATE
+SET reason = excluded.reason, detail = excluded.detail, mail_id = excluded.mail_id,
+    created_at = now(), expires_at = greatest(mail_suppression.expires_at, excluded.expires_at)
+WHERE mail_suppression.expires_at IS NOT NULL
+"#,
+    suppress_manual: r#"
+INSERT INTO mail_suppression (address, reason, detail, expires_at)
+VALUES ($1, $2, $3, now() + $4 * interval '1 millisecond')
+ON CONFLICT (address) DO UPDATE
+SET reason = excluded.reason, detail = excluded.detail, mail_id = NULL,
+    created_at = now(), expires_at = excluded.expires_at
+"#,
+    unsuppress: "DELETE FROM mail_suppression WHERE address = $1",
+    soft_bounces: r#"
+SELECT count(*) AS count FROM mail_feedback
+WHERE recipient = $1 AND matched AND kind = 'soft_bounce'
+  AND received_at > now() - $2 * interval '1 millisecond'
+"#,
+    hard_bounced: r#"
+SELECT DISTINCT recipient FROM mail_feedback
+WHERE mail_id = $1 AND matched AND kind = 'hard_bounce' AND recipient IS NOT NULL
+"#,
+    mark_bounced: r#"
+UPDATE mail_queue SET status = 'bounced', bounced_at = now()
+WHERE id = $1 AND status IN ('sent', 'unknown')
+"#,
+    target_columns: "SELECT id, status, message_id, to_address, cc, bcc FROM mail_queue WHERE ",
+    left_out: r#"
+SELECT DISTINCT e.recipient FROM mail_event AS e
+JOIN mail_queue AS m ON m.id = e.mail_id AND e.attempt = m.attempts
+WHERE e.mail_id = $1 AND e.outcome = 'suppressed' AND e.recipient IS NOT NULL
+"#,
+    // A join with the array, not `address = ANY ($1)`: each connection
+    // plans every statement for its values (`plan_cache_mode`), and the
+    // planner weighs each element of an `ANY` list on its own, which cost
+    // more than the lookup.
+    suppressed_among: r#"
+SELECT s.address, s.reason FROM unnest($1::text[]) AS a(address)
+JOIN mail_suppression AS s ON s.address = a.address
+WHERE s.expires_at IS NULL OR s.expires_at > now()
+"#,
+    suppression_columns: r#"
+SELECT address, reason, detail, mail_id, created_at, expires_at FROM mail_suppression WHERE 1 = 1"#,
+    in_force: "(expires_at IS NULL OR expires_at > now())",
+    feedback_counts: r#"
+SELECT kind, count(*) AS count FROM mail_feedback
+WHERE received_at > now() - $1 * interval '1 millisecond'
+GROUP BY kind
+"#,
+    purge_feedback: r#"
+DELETE FROM mail_feedback WHERE id IN (
+    SELECT id FROM mail_feedback
+    WHERE received_at < now() - $1 * interval '1 millisecond'
+    ORDER BY received_at
+    LIMIT $2
+)
+"#,
+    purge_suppression: "DELETE FROM mail_suppression WHERE expires_at < now()",
+};
+
 static QUERIES: Queries = Queries {
     placeholder: |i| format!("${i}"),
     status_counts: portable::STATUS_COUNTS,
@@ -329,7 +414,7 @@ FROM tablemail_minute WHERE minute >= date_trunc('minute', now()) - interval '15
     failure_groups: r#"
 SELECT outcome, stage, smtp_code, count(*) AS count, max(detail) AS example
 FROM mail_event
-WHERE at > now() - $1 * interval '1 millisecond' AND outcome NOT IN ('retried', 'cancelled')
+WHERE at > now() - $1 * interval '1 millisecond' AND outcome IN ('retry', 'failed', 'unknown', 'deferred', 'released', 'stale')
 GROUP BY outcome, stage, smtp_code
 ORDER BY count(*) DESC, outcome, stage, smtp_code
 "#,
@@ -390,9 +475,18 @@ DELETE FROM mail_queue WHERE id IN (
     LIMIT $2
 )
 "#,
+    purge_bounced: r#"
+DELETE FROM mail_queue WHERE id IN (
+    SELECT id FROM mail_queue
+    WHERE status IN ('bounced', 'suppressed')
+      AND processed_at < now() - $1 * interval '1 millisecond'
+    ORDER BY processed_at
+    LIMIT $2
+)
+"#,
     mail_columns: r#"
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
-       retried_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
+       retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
        from_address, to_address, cc, bcc, reply_to, body, body_html, headers::text AS headers
 FROM mail_queue "#,
     attachments_of: r#"
@@ -400,7 +494,7 @@ SELECT filename, content_type, octet_length(content)::int8 AS size, content_id
 FROM mail_attachment WHERE mail_id = $1 ORDER BY id
 "#,
     events_of: r#"
-SELECT at, attempt, outcome, stage, smtp_code, detail FROM mail_event
+SELECT at, attempt, outcome, stage, smtp_code, detail, recipient FROM mail_event
 WHERE mail_id = $1 ORDER BY id
 "#,
     summary_columns: r#"
@@ -454,6 +548,7 @@ impl Dialect for Postgres {
     const BACKEND: Backend = Backend::Postgres;
 
     const QUERIES: &'static Queries = &QUERIES;
+    const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
     const UNIT: fn(Duration) -> i64 = shared::millis;
 
     async fn claim(c: &mut PgConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {
@@ -464,6 +559,14 @@ impl Dialect for Postgres {
 
     fn claim_pool<'a>(&'a self, _: &'a Shared<sqlx::Postgres>) -> &'a Conns<sqlx::Postgres> {
         &self.claims
+    }
+
+    async fn suppressed_among(
+        c: &mut PgConnection,
+        sql: &'static str,
+        addresses: Vec<String>,
+    ) -> Result<Vec<super::Suppressed>, sqlx::Error> {
+        sqlx::query_as(sql).bind(addresses).fetch_all(c).await
     }
 
     async fn finalize(
@@ -584,7 +687,8 @@ async fn finalize_chunk(
         .bind(cols.delays)
         .bind(cols.errors)
         .bind(cols.flags)
-        .bind(cols.relay_replies);
+        .bind(cols.relay_replies)
+        .bind(cols.relay_queue_ids);
     if has_events {
         let e = cols.events;
         query = query
@@ -607,6 +711,7 @@ struct FinalizeArrays<'a> {
     errors: Vec<Option<&'a str>>,
     flags: Vec<i16>,
     relay_replies: Vec<Option<&'a str>>,
+    relay_queue_ids: Vec<Option<&'a str>>,
     events: EventArrays<'a>,
 }
 
@@ -632,6 +737,7 @@ impl<'a> FinalizeArrays<'a> {
             errors: Vec::with_capacity(n),
             flags: Vec::with_capacity(n),
             relay_replies: Vec::with_capacity(n),
+            relay_queue_ids: Vec::with_capacity(n),
             events: EventArrays::default(),
         };
         for w in writes {
@@ -643,6 +749,7 @@ impl<'a> FinalizeArrays<'a> {
             a.errors.push(c.error);
             a.flags.push(flags(&c));
             a.relay_replies.push(w.relay_reply.as_deref());
+            a.relay_queue_ids.push(w.relay_queue_id());
             if let Some(e) = w.event_columns() {
                 a.events.ids.push(w.id);
                 a.events.attempts.push(e.attempt);

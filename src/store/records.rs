@@ -48,6 +48,8 @@ pub struct MailRecord {
     /// When an operator last retried it; expiry counts from the later of
     /// this and `created_at`.
     pub retried_at: Option<DateTime<Utc>>,
+    /// When every recipient it went to had hard-bounced (DESIGN §12).
+    pub bounced_at: Option<DateTime<Utc>>,
     pub message_id: Option<String>,
     pub dedupe_key: Option<String>,
     pub last_error: Option<String>,
@@ -79,6 +81,8 @@ pub struct EventRow {
     pub stage: Option<String>,
     pub smtp_code: Option<i32>,
     pub detail: Option<String>,
+    /// The recipient a report or the suppression list spoke of.
+    pub recipient: Option<String>,
 }
 
 /// How many attempts of the last hour came to the same thing.
@@ -111,13 +115,15 @@ pub struct DaemonRow {
 }
 
 /// The statuses a row can have, in the order operators read them.
-pub const STATUSES: [&str; 6] = [
+pub const STATUSES: [&str; 8] = [
     "queued",
     "sending",
     "sent",
     "failed",
     "unknown",
     "cancelled",
+    "bounced",
+    "suppressed",
 ];
 
 /// Fresh attempts a mail gets when an operator retries it (`tablemail
@@ -256,6 +262,8 @@ impl QueueStats {
 pub enum Finished {
     Sent,
     FailedOrCancelled,
+    /// Aged like failed rows (`retention.failed`).
+    BouncedOrSuppressed,
 }
 
 /// What [`Store::maintain`] found or did.

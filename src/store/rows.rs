@@ -10,9 +10,9 @@ use chrono::{DateTime, Utc};
 use sqlx::{ColumnIndex, Database, Decode, Encode, Row, Type};
 
 use super::{
-    Attachment, AttachmentInfo, BatchLock, DaemonRow, EventRow, FailureGroup, MailContent,
-    MailFilter, MailLookup, MailRecord, MailSizes, MailSummary, MinuteCount, QueuedMail,
-    RecentFailure, StaleRow, StatusCount, UnlockedRow,
+    Attachment, AttachmentInfo, BatchLock, DaemonRow, EventRow, FailureGroup, FeedbackCount,
+    MailContent, MailFilter, MailLookup, MailRecord, MailSizes, MailSummary, MinuteCount,
+    QueuedMail, RecentFailure, StaleRow, StatusCount, Suppressed, SuppressionEntry, UnlockedRow,
 };
 
 /// The text columns a claim returns, each NULL unless the row fits the
@@ -110,6 +110,16 @@ macro_rules! from_row {
 }
 
 from_row!(StatusCount { status, count });
+from_row!(FeedbackCount { kind, count });
+from_row!(Suppressed { address, reason });
+from_row!(SuppressionEntry {
+    address,
+    reason,
+    detail,
+    mail_id,
+    created_at,
+    expires_at,
+});
 from_row!(RecentFailure {
     id,
     status,
@@ -235,7 +245,8 @@ from_row!(EventRow {
     outcome,
     stage,
     smtp_code,
-    detail
+    detail,
+    recipient,
 });
 from_row!(FailureGroup {
     outcome,
@@ -273,6 +284,7 @@ from_row!(MailRecord, |row| Ok(MailRecord {
     send_at: row.try_get("send_at")?,
     processed_at: row.try_get("processed_at")?,
     retried_at: row.try_get("retried_at")?,
+    bounced_at: row.try_get("bounced_at")?,
     message_id: row.try_get("message_id")?,
     dedupe_key: row.try_get("dedupe_key")?,
     last_error: row.try_get("last_error")?,
@@ -603,6 +615,7 @@ where
                     Some(content) if row.try_get(inline)? => Some(content.decode(row)?),
                     _ => None,
                 },
+                suppression: super::SuppressionCheck::Unchecked,
             })
         })
         .collect()
@@ -619,7 +632,7 @@ pub(crate) fn finalize_json(writes: &[super::Finalize]) -> String {
 }
 
 /// Outcomes as one JSON array of arrays, for MySQL's `JSON_TABLE` (paths
-/// `$[0]` to `$[13]`, in [`OutcomeJson`]'s order; the five history fields
+/// `$[0]` to `$[14]`, in [`OutcomeJson`]'s order; the five history fields
 /// only where a history row is written, a missing element reading as
 /// NULL; the history row's detail NULL where it is the error). MariaDB
 /// finds an object's member by comparing names one after another, for
@@ -650,6 +663,7 @@ struct OutcomeJson<'a> {
     processed: i32,
     relay_down: i32,
     relay_reply: Option<&'a str>,
+    relay_queue_id: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     ev_attempt: Option<i32>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -676,6 +690,7 @@ impl<'a> OutcomeJson<'a> {
             processed: c.processed as i32,
             relay_down: c.relay_down as i32,
             relay_reply: w.relay_reply.as_deref(),
+            relay_queue_id: w.relay_queue_id(),
             ev_attempt: event.as_ref().map(|e| e.attempt),
             ev_outcome: event.as_ref().map(|e| e.outcome),
             ev_stage: event.as_ref().and_then(|e| e.stage),
@@ -698,7 +713,7 @@ impl serde::Serialize for OutcomeRow<'_> {
         use serde::ser::SerializeTuple;
         let o = &self.fields;
         let with_event = o.ev_outcome.is_some();
-        let mut row = serializer.serialize_tuple(if with_event { 14 } else { 9 })?;
+        let mut row = serializer.serialize_tuple(if with_event { 15 } else { 10 })?;
         row.serialize_element(&o.id)?;
         row.serialize_element(&o.lock)?;
         row.serialize_element(o.status)?;
@@ -708,6 +723,7 @@ impl serde::Serialize for OutcomeRow<'_> {
         row.serialize_element(&o.processed)?;
         row.serialize_element(&o.relay_down)?;
         row.serialize_element(&o.relay_reply)?;
+        row.serialize_element(&o.relay_queue_id)?;
         if with_event {
             row.serialize_element(&o.ev_attempt)?;
             row.serialize_element(&o.ev_outcome)?;

@@ -81,6 +81,7 @@ pub(crate) struct Queries {
     /// ([`super::dialect::Dialect::purge`]), picks their ids.
     pub purge_sent: &'static str,
     pub purge_failed: &'static str,
+    pub purge_bounced: &'static str,
     /// The columns of a [`MailRecord`] (without content), then ` FROM mail_queue `.
     pub mail_columns: &'static str,
     /// ($1 mail id) -> [`AttachmentInfo`] columns.
@@ -106,6 +107,61 @@ pub(crate) struct Queries {
     pub minutes: &'static str,
 }
 
+/// The SQL of the delivery loop (DESIGN §12), bound by `sql_store` like
+/// [`Queries`]: parameters in the order given, each used once, durations in
+/// the backend's unit.
+pub(crate) struct FeedbackQueries {
+    /// ($1 source, $2 mail id or NULL, $3 recipient, $4 kind, $5 status,
+    /// $6 diagnostic, $7 matched, $8 size, $9 raw): a mail id that no row
+    /// has any more is written as NULL.
+    pub insert_feedback: &'static str,
+    /// ($1 outcome, $2 smtp code, $3 detail, $4 recipient, $5 mail id): a
+    /// history row at the mail's current attempt.
+    pub insert_report_event: &'static str,
+    /// ($1 mail id, $2 attempt, $3 outcome, $4 recipient, $5 detail).
+    pub insert_recipient_event: &'static str,
+    /// ($1 address, $2 reason, $3 detail, $4 mail id): suppressed until
+    /// removed; an entry that expires becomes permanent, a permanent one is
+    /// left as it is.
+    pub suppress_permanent: &'static str,
+    /// ($1 address, $2 reason, $3 detail, $4 mail id, $5 ttl): suppressed
+    /// until now + ttl; an expiring entry is extended, never shortened, a
+    /// permanent one is left as it is.
+    pub suppress_until: &'static str,
+    /// ($1 address, $2 reason, $3 detail, $4 ttl or NULL): an operator's
+    /// entry, replacing whatever was there.
+    pub suppress_manual: &'static str,
+    /// ($1 address).
+    pub unsuppress: &'static str,
+    /// ($1 recipient, $2 window) -> `count`: matched soft bounces.
+    pub soft_bounces: &'static str,
+    /// ($1 mail id) -> `recipient`: the distinct recipients of matched hard
+    /// bounces of that mail.
+    pub hard_bounced: &'static str,
+    /// ($1 mail id): `bounced` once sent (or `unknown`).
+    pub mark_bounced: &'static str,
+    /// The columns of a [`super::FeedbackTarget`] without `left_out`, then
+    /// ` FROM mail_queue WHERE `.
+    pub target_columns: &'static str,
+    /// ($1 mail id, $2 mail id) -> `recipient`: those left out as
+    /// suppressed at its current attempt.
+    pub left_out: &'static str,
+    /// `address`, `reason` of the entries in force, then ` AND address IN (`
+    /// follows with the addresses' placeholders (PostgreSQL: one array).
+    pub suppressed_among: &'static str,
+    /// The columns of a [`super::SuppressionEntry`], then ` FROM
+    /// mail_suppression WHERE 1 = 1`, to which filters are appended.
+    pub suppression_columns: &'static str,
+    /// The condition "in force" (not expired), for filters.
+    pub in_force: &'static str,
+    /// ($1 within) -> `kind`, `count`.
+    pub feedback_counts: &'static str,
+    /// ($1 older than, $2 limit): reports past retention.
+    pub purge_feedback: &'static str,
+    /// Suppression entries that have expired.
+    pub purge_suppression: &'static str,
+}
+
 /// Statements that read the same on every database.
 pub(crate) mod portable {
     /// Rows by status.
@@ -128,6 +184,7 @@ pub(crate) struct Shared<DB: Database> {
     /// `database.statement_timeout`.
     pub deadline: Duration,
     pub queries: &'static Queries,
+    pub feedback: &'static FeedbackQueries,
     /// Durations as the backend's SQL counts them.
     pub unit: fn(Duration) -> i64,
     pub migrator: Migrator,
@@ -148,6 +205,7 @@ impl<DB: Database> Shared<DB> {
             pool,
             deadline,
             queries: D::QUERIES,
+            feedback: D::FEEDBACK,
             unit: D::UNIT,
             migrator: super::migrations::migrator(migrations),
             begin_write,

@@ -20,6 +20,10 @@ use super::{
     Maintenance, MinuteCount, NewMail, QueueStats, QueuedMail, Result, RetrySelection, StaleRow,
     Store, UnlockedRow, SILENT_AFTER_SECONDS,
 };
+use super::{
+    FeedbackCount, FeedbackKind, FeedbackRecord, FeedbackRecorded, FeedbackTarget, NewSuppression,
+    RecipientEvent, Suppressed, SuppressionEntry, SuppressionFilter,
+};
 
 #[async_trait]
 impl<D: Dialect> Store for SqlStore<D>
@@ -36,6 +40,9 @@ where
     String: Bind<D::DB>,
     Option<String>: Bind<D::DB>,
     Vec<u8>: Bind<D::DB>,
+    bool: Bind<D::DB>,
+    Option<i32>: Bind<D::DB>,
+    Option<Vec<u8>>: Bind<D::DB>,
     for<'r> i64: Decode<'r, D::DB>,
     for<'r> i32: Decode<'r, D::DB>,
     for<'r> bool: Decode<'r, D::DB> + Type<D::DB>,
@@ -301,6 +308,7 @@ where
         for (kind, age) in [
             (Finished::Sent, sent),
             (Finished::FailedOrCancelled, failed),
+            (Finished::BouncedOrSuppressed, failed),
         ] {
             let left = limit as u64 - deleted;
             if left == 0 {
@@ -309,6 +317,7 @@ where
             let sql = match kind {
                 Finished::Sent => self.shared.queries.purge_sent,
                 Finished::FailedOrCancelled => self.shared.queries.purge_failed,
+                Finished::BouncedOrSuppressed => self.shared.queries.purge_bounced,
             };
             let older_than = (self.shared.unit)(age);
             deleted += self
@@ -457,6 +466,397 @@ where
                         .bind(i64::from(minutes))
                         .fetch_all(&mut *c)
                         .await
+                })
+            })
+            .await
+    }
+
+    async fn suppressed_among(&self, addresses: &[String]) -> Result<Vec<Suppressed>> {
+        if addresses.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (sql, addresses) = (self.shared.feedback.suppressed_among, addresses.to_vec());
+        self.shared
+            .run(move |c| Box::pin(D::suppressed_among(c, sql, addresses)))
+            .await
+    }
+
+    async fn bypassing_suppression(&self, ids: &[i64]) -> Result<Vec<i64>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut ids = ids.to_vec();
+        let last = ids[ids.len() - 1];
+        ids.resize(super::shared::id_list_len(ids.len()), last);
+        let placeholders: Vec<String> = (1..=ids.len())
+            .map(self.shared.queries.placeholder)
+            .collect();
+        let sql = format!(
+            "SELECT id FROM mail_queue WHERE bypass_suppression AND id IN ({})",
+            placeholders.join(", ")
+        );
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    let mut query = sqlx::query_scalar(sqlx::AssertSqlSafe(sql));
+                    for id in ids {
+                        query = query.bind(id);
+                    }
+                    let mut found: Vec<i64> = query.fetch_all(&mut *c).await?;
+                    found.dedup();
+                    Ok(found)
+                })
+            })
+            .await
+    }
+
+    async fn add_recipient_events(&self, events: &[RecipientEvent]) -> Result<()> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let (sql, begin, events) = (
+            self.shared.feedback.insert_recipient_event,
+            self.shared.begin_write,
+            events.to_vec(),
+        );
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    for e in events {
+                        sqlx::query(sql)
+                            .bind(e.mail_id)
+                            .bind(e.attempt)
+                            .bind(e.outcome.to_string())
+                            .bind(e.recipient)
+                            .bind(e.detail)
+                            .execute(&mut *tx)
+                            .await?;
+                    }
+                    tx.commit().await
+                })
+            })
+            .await
+    }
+
+    async fn feedback_target(&self, id: i64) -> Result<Option<FeedbackTarget>> {
+        let f = self.shared.feedback;
+        let sql = format!(
+            "{}id = {}",
+            f.target_columns,
+            (self.shared.queries.placeholder)(1)
+        );
+        self.target(sql, Bound::Id(id)).await
+    }
+
+    async fn feedback_target_by_queue_id(&self, queue_id: &str) -> Result<Option<FeedbackTarget>> {
+        let f = self.shared.feedback;
+        // Two mails with one queue id (two relays, or ids reused over the
+        // years) prove nothing: only a single match counts.
+        let sql = format!(
+            "{}relay_queue_id = {} LIMIT 2",
+            f.target_columns,
+            (self.shared.queries.placeholder)(1)
+        );
+        self.target(sql, Bound::Text(queue_id.to_string())).await
+    }
+
+    async fn record_feedback(&self, record: &FeedbackRecord) -> Result<FeedbackRecorded> {
+        let (f, begin, unit) = (
+            self.shared.feedback,
+            self.shared.begin_write,
+            self.shared.unit,
+        );
+        let record = record.clone();
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    let mut recorded = FeedbackRecorded::default();
+                    let mut raw = record.raw;
+                    let mut hard_bounced_mail = None;
+                    for item in &record.items {
+                        sqlx::query(f.insert_feedback)
+                            .bind(record.source.as_str().to_string())
+                            .bind(item.mail_id)
+                            .bind(item.recipient.clone())
+                            .bind(item.kind.as_str().to_string())
+                            .bind(item.status.clone())
+                            .bind(item.diagnostic.clone())
+                            .bind(item.matched)
+                            .bind(record.size.min(i32::MAX as usize) as i32)
+                            // The report once, with its first recipient.
+                            .bind(raw.take())
+                            .execute(&mut *tx)
+                            .await?;
+                        let (true, Some(mail_id), Some(recipient)) =
+                            (item.matched, item.mail_id, item.recipient.clone())
+                        else {
+                            continue;
+                        };
+                        let detail = item.event_detail();
+                        if let Some(outcome) = item.kind.event_outcome() {
+                            sqlx::query(f.insert_report_event)
+                                .bind(outcome.to_string())
+                                .bind(item.smtp_code.map(i32::from))
+                                .bind(detail.clone())
+                                .bind(recipient.clone())
+                                .bind(mail_id)
+                                .execute(&mut *tx)
+                                .await?;
+                        }
+                        let suppress = match item.kind {
+                            FeedbackKind::HardBounce => {
+                                hard_bounced_mail = Some(mail_id);
+                                Some((f.suppress_permanent, "hard_bounce", None))
+                            }
+                            FeedbackKind::Complaint if record.policy.complaints => {
+                                Some((f.suppress_permanent, "complaint", None))
+                            }
+                            FeedbackKind::SoftBounce if record.policy.soft_bounce_limit > 0 => {
+                                let count: i64 = sqlx::query(f.soft_bounces)
+                                    .bind(recipient.clone())
+                                    .bind(unit(record.policy.soft_bounce_window))
+                                    .fetch_one(&mut *tx)
+                                    .await?
+                                    .try_get("count")?;
+                                (count >= i64::from(record.policy.soft_bounce_limit)).then_some((
+                                    f.suppress_until,
+                                    "soft_bounce",
+                                    Some(unit(record.policy.soft_bounce_ttl)),
+                                ))
+                            }
+                            _ => None,
+                        };
+                        if let Some((sql, reason, ttl)) = suppress {
+                            let mut query = sqlx::query(sql)
+                                .bind(recipient.clone())
+                                .bind(reason.to_string())
+                                .bind(detail)
+                                .bind(Some(mail_id));
+                            if let Some(ttl) = ttl {
+                                query = query.bind(ttl);
+                            }
+                            if query.execute(&mut *tx).await?.count() > 0 {
+                                recorded.suppressed.push(recipient);
+                            }
+                        }
+                    }
+                    if let (Some(mail_id), false) = (hard_bounced_mail, record.sent_to.is_empty()) {
+                        let rows = sqlx::query(f.hard_bounced)
+                            .bind(mail_id)
+                            .fetch_all(&mut *tx)
+                            .await?;
+                        let bounced: std::collections::HashSet<String> = rows
+                            .iter()
+                            .map(|r| r.try_get::<String, _>("recipient"))
+                            .collect::<Result<_, _>>()?;
+                        if record.sent_to.iter().all(|r| bounced.contains(r)) {
+                            let done = sqlx::query(f.mark_bounced)
+                                .bind(mail_id)
+                                .execute(&mut *tx)
+                                .await?;
+                            if done.count() > 0 {
+                                recorded.bounced = Some(mail_id);
+                            }
+                        }
+                    }
+                    tx.commit().await?;
+                    Ok(recorded)
+                })
+            })
+            .await
+    }
+
+    async fn suppression_list(
+        &self,
+        filter: &SuppressionFilter,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<SuppressionEntry>> {
+        let (f, placeholder) = (self.shared.feedback, self.shared.queries.placeholder);
+        let mut sql = f.suppression_columns.to_string();
+        let mut params: Vec<String> = Vec::new();
+        if !filter.include_expired {
+            sql.push_str(" AND ");
+            sql.push_str(f.in_force);
+        }
+        if let Some(reason) = filter.reason {
+            params.push(reason.as_str().to_string());
+            sql.push_str(&format!(" AND reason = {}", placeholder(params.len())));
+        }
+        if let Some(search) = filter.search.as_deref().filter(|s| !s.is_empty()) {
+            // A plain substring: the operator's text is no pattern. `!`
+            // escapes, the same on every database (MySQL reads a backslash
+            // in a literal as an escape of its own).
+            let escaped = super::feedback::search_key(search)
+                .replace('!', "!!")
+                .replace('%', "!%")
+                .replace('_', "!_");
+            params.push(format!("%{escaped}%"));
+            sql.push_str(&format!(
+                " AND address LIKE {} ESCAPE '!'",
+                placeholder(params.len())
+            ));
+        }
+        if let Some(after) = after {
+            params.push(after.to_string());
+            sql.push_str(&format!(" AND address > {}", placeholder(params.len())));
+        }
+        sql.push_str(&format!(
+            " ORDER BY address LIMIT {}",
+            limit.clamp(1, 10_000)
+        ));
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let mut query = sqlx::query_as(sqlx::AssertSqlSafe(sql));
+                    for p in params {
+                        query = query.bind(p);
+                    }
+                    query.fetch_all(&mut *c).await
+                })
+            })
+            .await
+    }
+
+    async fn suppress(&self, entries: &[NewSuppression]) -> Result<u64> {
+        let (f, begin, unit) = (
+            self.shared.feedback,
+            self.shared.begin_write,
+            self.shared.unit,
+        );
+        let entries = entries.to_vec();
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    for e in &entries {
+                        sqlx::query(f.suppress_manual)
+                            .bind(e.address.clone())
+                            .bind(e.reason.as_str().to_string())
+                            .bind(e.detail.clone())
+                            .bind(e.expires_in.map(unit))
+                            .execute(&mut *tx)
+                            .await?;
+                    }
+                    tx.commit().await?;
+                    Ok(entries.len() as u64)
+                })
+            })
+            .await
+    }
+
+    async fn unsuppress(&self, addresses: &[String]) -> Result<u64> {
+        let (f, begin, addresses) = (
+            self.shared.feedback,
+            self.shared.begin_write,
+            addresses.to_vec(),
+        );
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    let mut removed = 0;
+                    for address in addresses {
+                        removed += sqlx::query(f.unsuppress)
+                            .bind(address)
+                            .execute(&mut *tx)
+                            .await?
+                            .count();
+                    }
+                    tx.commit().await?;
+                    Ok(removed)
+                })
+            })
+            .await
+    }
+
+    async fn feedback_counts(&self, within: Duration) -> Result<Vec<FeedbackCount>> {
+        let (sql, within) = (
+            self.shared.feedback.feedback_counts,
+            (self.shared.unit)(within),
+        );
+        self.shared
+            .run(move |c| {
+                Box::pin(async move { sqlx::query_as(sql).bind(within).fetch_all(&mut *c).await })
+            })
+            .await
+    }
+
+    async fn purge_feedback(&self, older_than: Duration, limit: usize) -> Result<u64> {
+        let (f, older_than) = (self.shared.feedback, (self.shared.unit)(older_than));
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let reports = sqlx::query(f.purge_feedback)
+                        .bind(older_than)
+                        .bind(limit as i64)
+                        .execute(&mut *c)
+                        .await?
+                        .count();
+                    let entries = sqlx::query(f.purge_suppression)
+                        .execute(&mut *c)
+                        .await?
+                        .count();
+                    Ok(reports + entries)
+                })
+            })
+            .await
+    }
+}
+
+/// A single value bound to a statement built at run time.
+enum Bound {
+    Id(i64),
+    Text(String),
+}
+
+impl<D: Dialect> SqlStore<D>
+where
+    <D::DB as Database>::Arguments: sqlx::IntoArguments<D::DB>,
+    for<'c> &'c mut <D::DB as Database>::Connection: Executor<'c, Database = D::DB>,
+    for<'r> &'r str: ColumnIndex<<D::DB as Database>::Row>,
+    i64: Bind<D::DB>,
+    String: Bind<D::DB>,
+    for<'r> i64: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> String: Decode<'r, D::DB> + Type<D::DB>,
+    for<'r> Option<String>: Decode<'r, D::DB>,
+{
+    /// The mail a report may be about, found by `sql` (one of
+    /// `target_columns`' statements), with the recipients its current
+    /// attempt left out; `None` unless exactly one row matches.
+    async fn target(&self, sql: String, value: Bound) -> Result<Option<FeedbackTarget>> {
+        let left_out = self.shared.feedback.left_out;
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let query = sqlx::query(sqlx::AssertSqlSafe(sql));
+                    let query = match value {
+                        Bound::Id(id) => query.bind(id),
+                        Bound::Text(text) => query.bind(text),
+                    };
+                    let rows = query.fetch_all(&mut *c).await?;
+                    let [row] = rows.as_slice() else {
+                        return Ok(None);
+                    };
+                    let id: i64 = row.try_get("id")?;
+                    let left_out = sqlx::query(left_out)
+                        .bind(id)
+                        .fetch_all(&mut *c)
+                        .await?
+                        .iter()
+                        .map(|r| r.try_get::<String, _>("recipient"))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Ok(Some(FeedbackTarget {
+                        id,
+                        status: row.try_get("status")?,
+                        message_id: row.try_get("message_id")?,
+                        to_address: row.try_get("to_address")?,
+                        cc: row.try_get("cc")?,
+                        bcc: row.try_get("bcc")?,
+                        left_out,
+                    }))
                 })
             })
             .await

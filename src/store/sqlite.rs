@@ -30,7 +30,7 @@ use super::{
     insert::{self, Param},
     migrations::SQLITE,
     rows::{self, finalize_json, held_json, locks_json},
-    shared::{self, portable, Queries, Shared},
+    shared::{self, portable, FeedbackQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, MailContent, NewMail,
     QueuedMail, Result, StaleRow,
 };
@@ -198,12 +198,14 @@ SET status = f.status,
     thread_lock = NULL,
     locked_at = NULL,
     last_error = COALESCE(f.last_error, mail_queue.last_error),
-    relay_reply = COALESCE(f.relay_reply, mail_queue.relay_reply)
+    relay_reply = COALESCE(f.relay_reply, mail_queue.relay_reply),
+    relay_queue_id = COALESCE(f.relay_queue_id, mail_queue.relay_queue_id)
 FROM (
     SELECT value ->> '$.id' AS id, value ->> '$.lock' AS lock, value ->> '$.status' AS status,
            value ->> '$.delay_ms' AS delay_ms, value ->> '$.error' AS last_error,
            value ->> '$.refund' AS refund, value ->> '$.processed' AS processed,
-           value ->> '$.relay_down' AS relay_down, value ->> '$.relay_reply' AS relay_reply
+           value ->> '$.relay_down' AS relay_down, value ->> '$.relay_reply' AS relay_reply,
+           value ->> '$.relay_queue_id' AS relay_queue_id
     FROM jsonb_each(?1)
 ) AS f
 WHERE mail_queue.id = f.id AND mail_queue.thread_lock = f.lock AND mail_queue.status = 'sending'
@@ -251,6 +253,89 @@ SELECT value ->> '$[0]', value ->> '$[1]', 'stale', 'lock',
 FROM jsonb_each(?1)
 "#;
 
+/// The delivery loop's SQL (DESIGN §12). Times are compared as text in
+/// SQLite's own format, so that the indexes on `received_at` serve them.
+static FEEDBACK: FeedbackQueries = FeedbackQueries {
+    insert_feedback: r#"
+INSERT INTO mail_feedback (source, mail_id, recipient, kind, status, diagnostic, matched, size, raw)
+VALUES (?1, (SELECT id FROM mail_queue WHERE id = ?2), ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+"#,
+    insert_report_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail, recipient)
+SELECT id, attempts, ?1, 'report', ?2, ?3, ?4 FROM mail_queue WHERE id = ?5
+"#,
+    insert_recipient_event: r#"
+INSERT INTO mail_event (mail_id, attempt, outcome, stage, recipient, detail)
+VALUES (?1, ?2, ?3, 'suppression', ?4, ?5)
+"#,
+    suppress_permanent: r#"
+INSERT INTO mail_suppression (address, reason, detail, mail_id) VALUES (?1, ?2, ?3, ?4)
+ON CONFLICT (address) DO UPDATE
+SET reason = excluded.reason, detail = excluded.detail, mail_id = excluded.mail_id,
+    created_at = strftime('%Y-%m-%d %H:%M:%f', 'now'), expires_at = NULL
+WHERE mail_suppression.expires_at IS NOT NULL
+"#,
+    suppress_until: r#"
+INSERT INTO mail_suppression (address, reason, detail, mail_id, expires_at)
+VALUES (?1, ?2, ?3, ?4, strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || (?5 / 1000.0) || ' seconds'))
+ON CONFLICT (address) DO UPDATE
+SET reason = excluded.reason, detail = excluded.detail, mail_id = excluded.mail_id,
+    created_at = strftime('%Y-%m-%d %H:%M:%f', 'now'),
+    expires_at = max(mail_suppression.expires_at, excluded.expires_at)
+WHERE mail_suppression.expires_at IS NOT NULL
+"#,
+    suppress_manual: r#"
+INSERT INTO mail_suppression (address, reason, detail, expires_at)
+VALUES (?1, ?2, ?3, strftime('%Y-%m-%d %H:%M:%f', 'now', '+' || (?4 / 1000.0) || ' seconds'))
+ON CONFLICT (address) DO UPDATE
+SET reason = excluded.reason, detail = excluded.detail, mail_id = NULL,
+    created_at = strftime('%Y-%m-%d %H:%M:%f', 'now'), expires_at = excluded.expires_at
+"#,
+    unsuppress: "DELETE FROM mail_suppression WHERE address = ?1",
+    soft_bounces: r#"
+SELECT count(*) AS count FROM mail_feedback
+WHERE recipient = ?1 AND matched AND kind = 'soft_bounce'
+  AND received_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || (?2 / 1000.0) || ' seconds')
+"#,
+    hard_bounced: r#"
+SELECT DISTINCT recipient FROM mail_feedback
+WHERE mail_id = ?1 AND matched AND kind = 'hard_bounce' AND recipient IS NOT NULL
+"#,
+    mark_bounced: r#"
+UPDATE mail_queue SET status = 'bounced', bounced_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
+WHERE id = ?1 AND status IN ('sent', 'unknown')
+"#,
+    target_columns: "SELECT id, status, message_id, to_address, cc, bcc FROM mail_queue WHERE ",
+    left_out: r#"
+SELECT DISTINCT e.recipient FROM mail_event AS e
+JOIN mail_queue AS m ON m.id = e.mail_id AND e.attempt = m.attempts
+WHERE e.mail_id = ?1 AND e.outcome = 'suppressed' AND e.recipient IS NOT NULL
+"#,
+    suppressed_among: r#"
+SELECT address, reason FROM mail_suppression
+WHERE (expires_at IS NULL OR expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now'))
+  AND address IN ("#,
+    suppression_columns: r#"
+SELECT address, reason, detail, mail_id, created_at, expires_at FROM mail_suppression WHERE 1 = 1"#,
+    in_force: "(expires_at IS NULL OR expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now'))",
+    feedback_counts: r#"
+SELECT kind, count(*) AS count FROM mail_feedback
+WHERE received_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || (?1 / 1000.0) || ' seconds')
+GROUP BY kind
+"#,
+    purge_feedback: r#"
+DELETE FROM mail_feedback WHERE id IN (
+    SELECT id FROM mail_feedback
+    WHERE received_at < strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || (?1 / 1000.0) || ' seconds')
+    ORDER BY received_at
+    LIMIT ?2
+)
+"#,
+    purge_suppression: r#"
+DELETE FROM mail_suppression WHERE expires_at < strftime('%Y-%m-%d %H:%M:%f', 'now')
+"#,
+};
+
 static QUERIES: Queries = Queries {
     placeholder: |i| format!("?{i}"),
     status_counts: portable::STATUS_COUNTS,
@@ -275,7 +360,7 @@ FROM tablemail_minute WHERE minute >= strftime('%Y-%m-%d %H:%M:00.000', 'now', '
     failure_groups: r#"
 SELECT outcome, stage, smtp_code, count(*) AS count, max(detail) AS example
 FROM mail_event
-WHERE julianday(at) > julianday('now') - ?1 / 86400000.0 AND outcome NOT IN ('retried', 'cancelled')
+WHERE julianday(at) > julianday('now') - ?1 / 86400000.0 AND outcome IN ('retry', 'failed', 'unknown', 'deferred', 'released', 'stale')
 GROUP BY outcome, stage, smtp_code
 ORDER BY count(*) DESC, outcome, stage, smtp_code
 "#,
@@ -335,9 +420,18 @@ DELETE FROM mail_queue WHERE id IN (
     LIMIT ?2
 )
 "#,
+    purge_bounced: r#"
+DELETE FROM mail_queue WHERE id IN (
+    SELECT id FROM mail_queue
+    WHERE status IN ('bounced', 'suppressed')
+      AND julianday(processed_at) < julianday('now') - ?1 / 86400000.0
+    ORDER BY processed_at
+    LIMIT ?2
+)
+"#,
     mail_columns: r#"
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
-       retried_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
+       retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
        from_address, to_address, cc, bcc, reply_to, body, body_html, headers
 FROM mail_queue "#,
     attachments_of: r#"
@@ -345,7 +439,7 @@ SELECT filename, content_type, octet_length(content) AS size, content_id
 FROM mail_attachment WHERE mail_id = ?1 ORDER BY id
 "#,
     events_of: r#"
-SELECT at, attempt, outcome, stage, smtp_code, detail FROM mail_event
+SELECT at, attempt, outcome, stage, smtp_code, detail, recipient FROM mail_event
 WHERE mail_id = ?1 ORDER BY id
 "#,
     summary_columns: r#"
@@ -387,6 +481,7 @@ impl Dialect for Sqlite {
     const BACKEND: Backend = Backend::Sqlite;
 
     const QUERIES: &'static Queries = &QUERIES;
+    const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
     const UNIT: fn(Duration) -> i64 = shared::millis;
 
     async fn claim(
@@ -423,6 +518,24 @@ impl Dialect for Sqlite {
             mail.content = contents.remove(&mail.id);
         }
         Ok(mails)
+    }
+
+    async fn suppressed_among(
+        c: &mut SqliteConnection,
+        sql: &'static str,
+        mut addresses: Vec<String>,
+    ) -> Result<Vec<super::Suppressed>, sqlx::Error> {
+        // A list of few lengths, the last address again in the places
+        // beyond (`id_list_len`: why).
+        let last = addresses[addresses.len() - 1].clone();
+        addresses.resize(shared::id_list_len(addresses.len()), last);
+        let placeholders: Vec<String> = (1..=addresses.len()).map(QUERIES.placeholder).collect();
+        let sql = format!("{sql}{})", placeholders.join(", "));
+        let mut query = sqlx::query_as(sqlx::AssertSqlSafe(sql));
+        for address in addresses {
+            query = query.bind(address);
+        }
+        query.fetch_all(c).await
     }
 
     async fn finalize(

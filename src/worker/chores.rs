@@ -106,6 +106,15 @@ impl Worker {
             }
             if last_maintained.elapsed() >= MAINTAIN_EVERY {
                 last_maintained = Instant::now();
+                // Reports go with failed rows' retention; expired
+                // suppression entries go at once.
+                if let Err(e) = self
+                    .store
+                    .purge_feedback(self.retention.failed, PURGE_BATCH)
+                    .await
+                {
+                    tracing::warn!(error = %e, "retention purge of reports failed");
+                }
                 match self.store.maintain().await {
                     Ok(Some(Maintenance::Vacuumed {
                         dead_rows,

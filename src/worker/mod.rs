@@ -19,6 +19,7 @@
 //! - [`budget`]: the memory budget of mails loaded to be sent.
 //! - [`chores`]: lock renewal, stale-lock sweeps, purge, watchdog.
 //! - [`retry`]: backoff arithmetic.
+//! - [`suppression`]: recipients on the suppression list left out.
 
 mod budget;
 mod chores;
@@ -32,6 +33,7 @@ pub mod relay;
 mod report;
 pub mod retry;
 mod routing;
+mod suppression;
 
 use std::{
     sync::{
@@ -72,6 +74,8 @@ pub struct BatchReport {
     /// Back to `queued` unspent, at once (released) or later (deferred).
     pub released: usize,
     pub deferred: usize,
+    /// Every recipient on the suppression list: ended unsent.
+    pub suppressed: usize,
     /// Outcomes not written because the lock had been taken away.
     pub fenced: usize,
 }
@@ -86,6 +90,7 @@ impl BatchReport {
             (true, FinalAction::Unknown { .. }) => &mut self.unknown,
             (true, FinalAction::Release) => &mut self.released,
             (true, FinalAction::Defer { .. }) => &mut self.deferred,
+            (true, FinalAction::Suppressed { .. }) => &mut self.suppressed,
         };
         *counter += 1;
     }
@@ -292,6 +297,7 @@ impl Worker {
         // The database returns them in no particular order; start the most
         // important ones first.
         mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
+        self.read_suppression(&mut mails).await;
         Ok(mails)
     }
 

@@ -64,6 +64,9 @@ pub enum Attempt {
     Expired,
     /// Not tried now, and why.
     Held(Hold),
+    /// Every recipient is on the suppression list (DESIGN §12): the mail
+    /// ends without a session, its attempt refunded.
+    Suppressed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,6 +284,13 @@ pub fn decide(
         Attempt::Held(
             Hold::RelayPaused | Hold::ShuttingDown | Hold::DatabaseUnavailable | Hold::LockLost,
         ) => released(RelaySignal::Quiet),
+        Attempt::Suppressed => decision(
+            FinalAction::Suppressed {
+                error: "suppressed: every recipient is on the suppression list".into(),
+            },
+            Logged::Suppressed,
+            RelaySignal::Quiet,
+        ),
         Attempt::Held(Hold::DomainThrottled { domain, wait }) => deferred(
             *wait,
             format!("deferred: {domain} asked to slow down"),
@@ -306,6 +316,9 @@ pub fn history(
         // was a try, and the relay's answer is worth keeping.
         FinalAction::Release if matches!(attempt, Attempt::Failed(_)) => EventOutcome::Released,
         FinalAction::Release => return None,
+        // Each recipient left out has a row of its own, written when the
+        // suppression list was read.
+        FinalAction::Suppressed { .. } => return None,
     };
     Some((outcome, stage_key(attempt)))
 }
@@ -324,6 +337,7 @@ pub fn stage_key(attempt: &Attempt) -> Option<&'static str> {
         Attempt::Invalid(_) => Some("message"),
         Attempt::Expired => Some("queue"),
         Attempt::Held(Hold::DomainThrottled { .. }) => Some("throttle"),
+        Attempt::Suppressed => Some("suppression"),
         Attempt::Held(_) => None,
     }
 }

@@ -12,7 +12,7 @@ use tracing::Instrument;
 use crate::{
     mail::{self, MailError, MessageDefaults, PreparedMail},
     smtp::Outgoing,
-    store::{Attachment, MailContent, MailSizes, QueuedMail},
+    store::{Attachment, MailContent, MailSizes, QueuedMail, SuppressionCheck},
 };
 
 use super::{
@@ -114,6 +114,29 @@ fn least_encoded_size(sizes: &MailSizes) -> u64 {
 }
 
 impl Worker {
+    /// The envelope as it goes out: the recipients on the suppression list
+    /// left out (none left: the mail is suppressed), and the VERP sender
+    /// when `bounce.domain` is set.
+    fn envelope(
+        &self,
+        mail: &QueuedMail,
+        mut prepared: PreparedMail,
+    ) -> Result<PreparedMail, Attempt> {
+        if let SuppressionCheck::Checked(left_out) = &mail.suppression {
+            if !left_out.is_empty() {
+                let keys: Vec<String> = left_out.iter().map(|s| s.address.clone()).collect();
+                if !mail::leave_out(&mut prepared, &keys) {
+                    return Err(Attempt::Suppressed);
+                }
+            }
+        }
+        if let Some(verp) = &self.defaults.bounce {
+            mail::set_envelope_sender(&mut prepared, &verp.address(mail.id))
+                .map_err(Attempt::Invalid)?;
+        }
+        Ok(prepared)
+    }
+
     /// Builds a row's message, or finds it cannot be sent. A mail too large
     /// by its stored size fails before any of it is read. The columns of a
     /// large row and every attachment are loaded now, one mail at a time per
@@ -160,6 +183,16 @@ impl Worker {
         if let Some((column, at)) = content.not_utf8 {
             return Ready::held(mail, Attempt::Invalid(MailError::NotUtf8 { column, at }));
         }
+        // A large row's recipients came only now: its own lookup.
+        let mut content = content;
+        if mail.suppression == SuppressionCheck::Unchecked {
+            mail.content = Some(content);
+            self.read_suppression(std::slice::from_mut(&mut mail)).await;
+            content = mail.content.take().expect("just put there");
+        }
+        if mail.suppression == SuppressionCheck::Unavailable {
+            return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
+        }
         let attachments = match mail.sizes.attachments {
             0 => Vec::new(),
             _ => match self.store.load_attachments(mail.id).await {
@@ -172,8 +205,9 @@ impl Worker {
         };
         let large = mail.sizes.content + mail.sizes.attachment_bytes >= BUILD_IN_PLACE_LIMIT;
         if self.defaults.dkim.is_none() && !large {
-            let prepared =
-                build(&mail, &content, &attachments, &self.defaults).map_err(Attempt::Invalid);
+            let prepared = build(&mail, &content, &attachments, &self.defaults)
+                .map_err(Attempt::Invalid)
+                .and_then(|p| self.envelope(&mail, p));
             return Ready {
                 mail,
                 prepared,
@@ -193,9 +227,12 @@ impl Worker {
         // Panics are caught inside; a build is cancelled only when the runtime
         // itself goes away, and the lanes with it.
         let (mail, prepared) = built.expect("the blocking pool outlives the lanes");
+        let prepared = prepared
+            .map_err(Attempt::Invalid)
+            .and_then(|p| self.envelope(&mail, p));
         Ready {
             mail,
-            prepared: prepared.map_err(Attempt::Invalid),
+            prepared,
             span: tracing::Span::none(),
             _memory: memory,
         }

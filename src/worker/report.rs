@@ -70,5 +70,6 @@ pub(super) fn log_outcome(d: &Done, written: bool) {
             outcome_line!(warn, d, error = %redact_addresses(error), "mail held as unknown")
         }
         FinalAction::Release => outcome_line!(info, d, "mail released"),
+        FinalAction::Suppressed { .. } => outcome_line!(info, d, "mail suppressed"),
     }
 }

@@ -250,6 +250,12 @@ impl TestDb {
         .await
     }
 
+    /// Counts rows of `table` that match `condition`.
+    pub async fn count_in(&self, table: &str, condition: &str) -> i64 {
+        self.scalar_i64(&format!("SELECT count(*) FROM {table} WHERE {condition}"))
+            .await
+    }
+
     pub async fn enqueue(&self, mail: NewMail) -> i64 {
         self.store.enqueue(&[mail]).await.expect("enqueue")[0].id
     }

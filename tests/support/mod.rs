@@ -9,6 +9,7 @@
 pub mod daemon;
 pub mod db;
 pub mod http;
+pub mod postfix;
 pub mod proxy;
 pub mod smtp;
 pub mod webdriver;

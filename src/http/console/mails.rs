@@ -106,7 +106,7 @@ impl From<&MailSummary> for SummaryView {
 #[template(path = "mails.html", config = "src/http/askama.toml")]
 struct MailsPage {
     layout: Layout,
-    statuses: [&'static str; 6],
+    statuses: [&'static str; 8],
     /// The form's fields, as sent.
     status: String,
     domain: String,

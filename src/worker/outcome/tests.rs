@@ -45,6 +45,7 @@ fn action_name(a: &FinalAction) -> &'static str {
         FinalAction::Unknown { .. } => "unknown",
         FinalAction::Release => "release",
         FinalAction::Defer { .. } => "defer",
+        FinalAction::Suppressed { .. } => "suppressed",
     }
 }
 
@@ -175,6 +176,12 @@ fn the_failure_table() {
         ),
         ("expired", Attempt::Expired, "failed", RelaySignal::Quiet),
         (
+            "every recipient suppressed",
+            Attempt::Suppressed,
+            "suppressed",
+            RelaySignal::Quiet,
+        ),
+        (
             "relay paused",
             Attempt::Held(Hold::RelayPaused),
             "release",
@@ -186,6 +193,16 @@ fn the_failure_table() {
         assert_eq!(action_name(&d.action), expected, "{what}");
         assert_eq!(d.relay, signal, "{what}");
     }
+}
+
+#[test]
+fn a_mail_with_every_recipient_suppressed_ends_unspent() {
+    // Even on its last attempt: nothing was tried, so nothing is spent.
+    let d = decide_alone(&Attempt::Suppressed, row(0));
+    assert_eq!(d.logged, Logged::Suppressed);
+    let columns = d.action.columns();
+    assert_eq!(columns.status, "suppressed");
+    assert!(columns.refund && columns.processed, "{columns:?}");
 }
 
 #[test]
@@ -448,6 +465,12 @@ fn every_attempt_but_a_sent_or_untried_one_leaves_history() {
                 relay_down: false,
             },
             Some((EventOutcome::Failed, Some("queue"))),
+        ),
+        // Each recipient left out has its own row already.
+        (
+            Attempt::Suppressed,
+            FinalAction::Suppressed { error: "x".into() },
+            None,
         ),
         (
             Attempt::CutOff {
