@@ -1,10 +1,12 @@
-//! The operator console (DESIGN §9), over HTTP against a real daemon: what
-//! its pages show (counts equal to the table's, no body and no full
-//! recipient address unless a logged-in operator asks), who may retry and
-//! cancel (login, session cookie, CSRF token), a scrape storm during a
-//! drain (issue 11), and a real browser (headless Chromium through
-//! chromedriver) driving the overview, the filter form, the login and the
-//! retry button, with a screenshot of each page under
+//! The operator console (DESIGN §9, §12), over HTTP against a real daemon:
+//! what its pages show (counts equal to the table's, no body and no full
+//! recipient address unless a logged-in operator asks), who may retry,
+//! cancel and remove an address from the suppression list (login, session
+//! cookie, CSRF token), the reports' counts and the suppression list's
+//! search and pages, a scrape storm during a drain (issue 11), and a real
+//! browser (headless Chromium through chromedriver) driving the overview,
+//! the filter form, the login, the retry button and the suppression list's
+//! remove button, with a screenshot of each page under
 //! `target/console-screenshots/`.
 
 mod support;
@@ -12,7 +14,7 @@ mod support;
 use std::{path::PathBuf, time::Duration};
 
 use support::{http, webdriver::Browser, *};
-use tablemail::store::NewMail;
+use tablemail::store::{Backend, NewMail};
 
 /// The scrape storm times drains: it runs alone (write), the other tests of
 /// this file beside each other (read).
@@ -86,6 +88,8 @@ async fn overview_matches_the_table(db: &TestDb, port: u16) -> String {
         "failed",
         "unknown",
         "cancelled",
+        "bounced",
+        "suppressed",
     ];
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
@@ -410,7 +414,8 @@ async fn retry_and_cancel_need_a_login_and_the_csrf_token() {
 }
 
 /// Without a token the console is read-only: no login, no button, every
-/// POST refused; here on the same address as `/metrics`, on SQLite.
+/// POST refused (the suppression list's too); here on the same address as
+/// `/metrics`, on SQLite.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_token_the_console_is_read_only() {
     let _beside = TIMED.read().await;
@@ -455,6 +460,25 @@ async fn without_a_token_the_console_is_read_only() {
     assert_eq!(retry.status, 403);
     assert!(retry.body.contains("read-only"), "{}", retry.body);
     assert_eq!(db.row(failed).await.status, "failed");
+    // The suppression list: to be read, without buttons; removal refused.
+    db.exec(
+        "INSERT INTO mail_suppression (address, reason) VALUES ('ro-secret@example.com', 'manual')",
+    )
+    .await;
+    let list = http::get(port, "/suppression", None);
+    assert_eq!(list.status, 200, "{}", list.body);
+    assert!(list.body.contains("data-address=\"***@example.com\""));
+    assert!(!list.body.contains("ro-secret") && !list.body.contains("data-remove"));
+    let remove = http::post_form(
+        port,
+        "/suppression/remove",
+        None,
+        &[],
+        &[("csrf", "x"), ("address", "ro-secret@example.com")],
+    );
+    assert_eq!(remove.status, 403);
+    assert!(remove.body.contains("read-only"), "{}", remove.body);
+    assert_eq!(db.count_in("mail_suppression", "1 = 1").await, 1);
     // The probes on the same listener.
     let metrics = http::get(port, "/metrics", None);
     assert_eq!(metrics.status, 200);
@@ -502,7 +526,370 @@ async fn overview_counts_are_the_tables(db: TestDb) {
     assert_eq!(mails.matches("data-mail=").count(), 4, "{mails}");
 }
 
-for_each_backend!(overview_counts_are_the_tables);
+/// `expr`'s time `seconds` ahead, as SQL (the database clock).
+fn later(db: &TestDb, seconds: i64) -> String {
+    match db.backend {
+        Backend::Postgres => format!("(now() + interval '{seconds} seconds')"),
+        Backend::Sqlite => format!("strftime('%Y-%m-%d %H:%M:%f', 'now', '+{seconds} seconds')"),
+        Backend::Mysql => format!("(UTC_TIMESTAMP(6) + INTERVAL {seconds} SECOND)"),
+    }
+}
+
+/// The kinds of reports the overview counts.
+const FEEDBACK_KINDS: [&str; 6] = [
+    "hard_bounce",
+    "soft_bounce",
+    "delayed",
+    "complaint",
+    "auto_reply",
+    "unknown",
+];
+
+/// Waits until the overview shows the table's count of reports of the last
+/// day, by kind.
+async fn feedback_matches_the_table(db: &TestDb, port: u16) -> String {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let day_ago = db.minus(db.now(), 86_400);
+    loop {
+        let page = http::get(port, "/", None);
+        assert_eq!(page.status, 200, "{}", page.body);
+        let mut equal = true;
+        let mut total = 0;
+        for kind in FEEDBACK_KINDS {
+            let table = db
+                .count_in(
+                    "mail_feedback",
+                    &format!("kind = '{kind}' AND received_at > {day_ago}"),
+                )
+                .await;
+            total += table;
+            equal &= figure(&page.body, &format!("data-feedback=\"{kind}\"")) == Some(table);
+        }
+        equal &= figure(&page.body, "data-feedback=\"total\"") == Some(total);
+        if equal {
+            return page.body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the overview never showed the table's reports:\n{}",
+            page.body
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// The rows of the suppression page (`data-address` of each).
+fn suppression_rows(html: &str) -> Vec<String> {
+    html.split("<tr data-address=\"")
+        .skip(1)
+        .filter_map(|rest| rest.split('"').next())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The target of the link `id` of a page, its `&` unescaped.
+fn link(html: &str, id: &str) -> Option<String> {
+    let end = html.find(&format!("\" id=\"{id}\""))?;
+    let start = html[..end].rfind("href=\"")? + "href=\"".len();
+    Some(html[start..end].replace("&#38;", "&").replace("&amp;", "&"))
+}
+
+/// The delivery loop in the console, on every backend: the overview counts
+/// the reports of the last day by kind as the table does; the suppression
+/// list shows its entries with `***` for local parts unless logged in, is
+/// searched by part of the address and by reason, and paged; removal is
+/// refused (403, the row kept) without a session, with a wrong CSRF token
+/// or from another origin, and done with both, back to the page; a mail's
+/// page shows a `bounced` event's recipient as its domain; the mail list
+/// filters the new statuses.
+async fn suppression_list_and_feedback_counts(db: TestDb) {
+    let _beside = TIMED.read().await;
+    let smtp = SmtpServer::start(&[]);
+    // A mail that bounced: never sent here (due in an hour), then made
+    // `bounced` with its history row, as a report would.
+    let mut bounced = mail("bounced-secret@alpha.example", "Welcome");
+    bounced.send_at = Some(chrono::Utc::now() + chrono::Duration::hours(1));
+    let bounced = db.enqueue(bounced).await;
+    let now = db.now();
+    db.exec(&format!(
+        "UPDATE mail_queue SET status = 'bounced', bounced_at = {now}, processed_at = {now} \
+         WHERE id = {bounced}"
+    ))
+    .await;
+    db.exec(&format!(
+        "INSERT INTO mail_event (mail_id, at, attempt, outcome, smtp_code, detail, recipient) \
+         VALUES ({bounced}, {now}, 1, 'bounced', 550, \
+         '5.1.1 <bounced-secret@alpha.example>: user unknown', 'bounced-secret@alpha.example')"
+    ))
+    .await;
+    // Reports: of the last day, and older ones the overview leaves out.
+    let day_ago = db.minus(now, 86_400);
+    let two_days_ago = db.minus(now, 2 * 86_400);
+    let mut reports = Vec::new();
+    for (kind, recent, old) in [
+        ("hard_bounce", 3, 2),
+        ("soft_bounce", 2, 0),
+        ("delayed", 1, 1),
+        ("complaint", 1, 0),
+        ("auto_reply", 1, 0),
+        ("unknown", 1, 0),
+    ] {
+        for n in 0..recent + old {
+            let at = if n < recent {
+                now
+            } else {
+                two_days_ago.as_str()
+            };
+            reports.push(format!(
+                "({at}, 'ingest', NULL, 'fb-secret{n}@{kind}.example', '{kind}', '5.0.0', \
+                 'report', TRUE, 100)"
+            ));
+        }
+    }
+    db.exec(&format!(
+        "INSERT INTO mail_feedback (received_at, source, mail_id, recipient, kind, status, \
+         diagnostic, matched, size) VALUES {}",
+        reports.join(", ")
+    ))
+    .await;
+    // The list: four addresses, one expired, and 60 for the pages.
+    let until_removed = "NULL".to_string();
+    let in_a_week = later(&db, 7 * 86_400);
+    let mut entries = vec![
+        format!(
+            "('alice@alpha.example', 'hard_bounce', \
+             '5.1.1 <alice@alpha.example>: user unknown', {bounced}, {now}, {until_removed})"
+        ),
+        format!("('bob@beta.example', 'complaint', NULL, NULL, {now}, {until_removed})"),
+        format!("('carol@beta.example', 'soft_bounce', '4.2.2 full', NULL, {now}, {in_a_week})"),
+        format!("('dave@gamma.example', 'manual', NULL, NULL, {now}, {until_removed})"),
+        format!("('expired@gamma.example', 'manual', NULL, NULL, {two_days_ago}, {day_ago})"),
+    ];
+    for n in 0..60 {
+        entries.push(format!(
+            "('page{n:02}@paging.example', 'manual', NULL, NULL, {now}, {until_removed})"
+        ));
+    }
+    db.exec(&format!(
+        "INSERT INTO mail_suppression (address, reason, detail, mail_id, created_at, expires_at) \
+         VALUES {}",
+        entries.join(", ")
+    ))
+    .await;
+    let served = serve(&db, &smtp.url(), true, &[]);
+    let port = served.port;
+
+    // The overview: the reports of the last day as the table counts them,
+    // the new statuses too, and no address.
+    let overview = feedback_matches_the_table(&db, port).await;
+    assert_eq!(figure(&overview, "data-feedback=\"hard_bounce\""), Some(3));
+    assert_eq!(figure(&overview, "data-feedback=\"total\""), Some(9));
+    assert!(overview.contains("href=\"/suppression\""), "{overview}");
+    assert!(!overview.contains("fb-secret") && !overview.contains('@'));
+    let overview = overview_matches_the_table(&db, port).await;
+    assert_eq!(overview_count(&overview, "bounced"), Some(1));
+
+    // Not logged in: the domains only, also in the detail and the links.
+    let anonymous = http::get(port, "/suppression", None);
+    assert_eq!(anonymous.status, 200, "{}", anonymous.body);
+    let page = &anonymous.body;
+    let rows = suppression_rows(page);
+    assert_eq!(rows.len(), 50, "{page}");
+    assert_eq!(
+        rows[..4],
+        [
+            "***@alpha.example",
+            "***@beta.example",
+            "***@beta.example",
+            "***@gamma.example"
+        ]
+    );
+    assert!(rows[4..].iter().all(|r| r == "***@paging.example"));
+    assert!(
+        page.contains("&#60;***@alpha.example&#62;: user unknown"),
+        "{page}"
+    );
+    assert!(page.contains("until removed"));
+    assert!(page.contains(&format!("href=\"/mails/{bounced}\"")));
+    assert!(!page.contains("data-remove") && !page.contains("name=\"csrf\""));
+    for secret in ["alice", "bob@", "carol", "dave@", "page45", "expired@"] {
+        assert!(!page.contains(secret), "the page shows {secret}:\n{page}");
+    }
+    // The next page, its link sealed: the other 14.
+    let next = link(page, "next").expect("a next page");
+    assert!(!next.contains("page"), "{next}");
+    let second = http::get(port, &next, None).body;
+    let rows = suppression_rows(&second);
+    assert_eq!(rows.len(), 14, "{second}");
+    assert!(link(&second, "next").is_none());
+    assert!(!second.contains("page46"));
+    // Searched by the visitor's own text, the local part included.
+    let found = |path: &str, cookie: Option<&str>| {
+        let answer = http::get(port, path, cookie);
+        assert_eq!(answer.status, 200, "{path}: {}", answer.body);
+        suppression_rows(&answer.body)
+    };
+    assert_eq!(
+        found("/suppression?search=carol", None),
+        ["***@beta.example"]
+    );
+    assert_eq!(found("/suppression?search=beta", None).len(), 2);
+    assert_eq!(
+        found("/suppression?reason=complaint", None),
+        ["***@beta.example"]
+    );
+    assert!(found("/suppression?search=%25", None).is_empty());
+    assert!(found("/suppression?search=expired", None).is_empty());
+    assert_eq!(
+        http::get(port, "/suppression?reason=bored", None).status,
+        400
+    );
+    assert_eq!(
+        http::get(port, "/suppression?after=~AAAA", None).status,
+        400,
+        "a sealed link of another process"
+    );
+
+    // Logged in: the addresses in full, and the pages after a plain address.
+    let cookie = login(port);
+    let page = http::get(port, "/suppression", Some(&cookie)).body;
+    let rows = suppression_rows(&page);
+    assert_eq!(
+        rows[..5],
+        [
+            "alice@alpha.example",
+            "bob@beta.example",
+            "carol@beta.example",
+            "dave@gamma.example",
+            "page00@paging.example"
+        ]
+    );
+    assert_eq!(rows.len(), 50);
+    assert!(!page.contains("expired@gamma.example"));
+    assert!(page.contains("data-remove=\"bob@beta.example\""));
+    let next = link(&page, "next").expect("a next page");
+    assert_eq!(next, "/suppression?after=page45%40paging.example");
+    let rows = found(&next, Some(&cookie));
+    assert_eq!(rows.len(), 14);
+    assert_eq!(rows[0], "page46@paging.example");
+    assert_eq!(
+        found("/suppression?search=ALICE", Some(&cookie)),
+        ["alice@alpha.example"]
+    );
+    // Both filters, paged, carried to the next page.
+    let page = http::get(
+        port,
+        "/suppression?reason=manual&search=page",
+        Some(&cookie),
+    )
+    .body;
+    assert_eq!(suppression_rows(&page).len(), 50);
+    let next = link(&page, "next").expect("a next page");
+    assert!(
+        next.contains("search=page") && next.contains("reason=manual"),
+        "{next}"
+    );
+    let rows = found(&next, Some(&cookie));
+    assert_eq!(rows.len(), 10);
+    assert_eq!(
+        found("/suppression?reason=manual&search=page5", Some(&cookie)).len(),
+        10
+    );
+
+    // Removal: refused without a session, with a wrong CSRF token, from
+    // another site, with a forged session; the row stays.
+    let csrf = csrf_of(&page);
+    let bob = "address = 'bob@beta.example'";
+    let origin = format!("http://127.0.0.1:{port}");
+    let remove = "/suppression/remove";
+    for (cookie, form_csrf, origin) in [
+        (None, csrf.as_str(), origin.as_str()),
+        (Some(cookie.as_str()), "", origin.as_str()),
+        (Some(cookie.as_str()), &"0".repeat(64), origin.as_str()),
+        (Some(cookie.as_str()), csrf.as_str(), "http://evil.example"),
+        (
+            Some("tablemail_session=forged"),
+            csrf.as_str(),
+            origin.as_str(),
+        ),
+    ] {
+        let answer = http::post_form(
+            port,
+            remove,
+            cookie,
+            &[("Origin", origin)],
+            &[("csrf", form_csrf), ("address", "bob@beta.example")],
+        );
+        assert_eq!(
+            answer.status, 403,
+            "{cookie:?} {form_csrf} {origin}: {}",
+            answer.body
+        );
+        assert_eq!(db.count_in("mail_suppression", bob).await, 1);
+    }
+    // With both: gone, and back on the page it was removed from.
+    let answer = http::post_form(
+        port,
+        remove,
+        Some(&cookie),
+        &[("Origin", &origin)],
+        &[
+            ("csrf", &csrf),
+            ("address", "bob@beta.example"),
+            ("search", "beta"),
+        ],
+    );
+    assert_eq!(answer.status, 303, "{}", answer.body);
+    let back = answer.header("location").unwrap_or_default().to_string();
+    assert_eq!(back, "/suppression?search=beta");
+    assert_eq!(db.count_in("mail_suppression", bob).await, 0);
+    assert_eq!(found(&back, Some(&cookie)), ["carol@beta.example"]);
+    let logged = served
+        ._daemon
+        .wait_for_log("console: address unsuppressed", Duration::from_secs(10))
+        .await;
+    assert_eq!(logged["domain"], "beta.example", "{logged}");
+    assert!(!logged.to_string().contains("bob"), "{logged}");
+    // Removed already: nothing to remove.
+    let again = http::post_form(
+        port,
+        remove,
+        Some(&cookie),
+        &[],
+        &[("csrf", &csrf), ("address", "bob@beta.example")],
+    );
+    assert_eq!(again.status, 409, "{}", again.body);
+
+    // The bounced mail's page: the event's recipient as its domain, its
+    // bounced_at; in full once the operator asks for the content.
+    let page = http::get(port, &format!("/mails/{bounced}"), None).body;
+    assert!(page.contains("data-outcome=\"bounced\""), "{page}");
+    assert!(
+        page.contains("data-recipient=\"***@alpha.example\""),
+        "{page}"
+    );
+    assert!(page.contains("id=\"bounced-at\""), "{page}");
+    assert!(!page.contains("bounced-secret"), "{page}");
+    let content = http::get(port, &format!("/mails/{bounced}?content=1"), Some(&cookie)).body;
+    assert!(content.contains("data-recipient=\"bounced-secret@alpha.example\""));
+    // The list's filter offers and applies the new statuses.
+    let list = http::get(port, "/mails?status=bounced", None);
+    assert_eq!(list.status, 200, "{}", list.body);
+    assert!(list.body.contains("<option value=\"suppressed\""));
+    assert!(list.body.contains("<option value=\"bounced\" selected"));
+    assert_eq!(list.body.matches("data-mail=").count(), 1, "{}", list.body);
+    assert!(list.body.contains(&format!("data-mail=\"{bounced}\"")));
+    assert_eq!(
+        http::get(port, "/mails?status=suppressed", None).status,
+        200
+    );
+    drop(served);
+}
+
+for_each_backend!(
+    overview_counts_are_the_tables,
+    suppression_list_and_feedback_counts
+);
 
 /// Issue 11's scrape storm: 40 scrapers hammering `/metrics` and
 /// `/healthz` during a 2,000-mail drain over a table that also holds many
@@ -633,7 +1020,8 @@ fn screenshots() -> PathBuf {
 }
 
 /// A real browser: the overview (its counts and chart), the filter form,
-/// the login and the retry button on a failed mail (back to queued).
+/// the login, the retry button on a failed mail (back to queued), and the
+/// suppression list's search and remove button.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_drives_the_overview_filters_login_and_retry() {
     let _beside = TIMED.read().await;
@@ -753,5 +1141,49 @@ async fn a_browser_drives_the_overview_filters_login_and_retry() {
     browser.goto(&format!("{base}/mails/{failed}"));
     assert!(!browser.find_all("td[data-outcome=\"retried\"]").is_empty());
     browser.screenshot(&shots.join("mail-retried.png"));
+
+    // The suppression list, from the navigation and searched, then an
+    // address's remove button: the same page comes back without its row.
+    db.exec(
+        "INSERT INTO mail_suppression (address, reason, detail, mail_id) VALUES \
+         ('browser-gone@delta.example', 'hard_bounce', \
+          '5.1.1 <browser-gone@delta.example>: user unknown', NULL), \
+         ('browser-stays@delta.example', 'complaint', NULL, NULL), \
+         ('other@epsilon.example', 'manual', NULL, NULL)",
+    )
+    .await;
+    browser.goto(&format!("{base}/"));
+    browser.click(&browser.find("header a[href=\"/suppression\"]"));
+    browser.wait_for_url("the suppression list", |url| url.ends_with("/suppression"));
+    assert_eq!(browser.find_all("tr[data-address]").len(), 3);
+    browser.type_into(&browser.find("#search"), "browser");
+    browser.click(&browser.find("#filter"));
+    browser.wait_for_url("the searched list", |url| url.contains("search=browser"));
+    let gone = "tr[data-address=\"browser-gone@delta.example\"]";
+    let stays = "tr[data-address=\"browser-stays@delta.example\"]";
+    assert_eq!(browser.find_all("tr[data-address]").len(), 2);
+    assert_eq!(browser.find_all(gone).len(), 1, "{}", browser.source());
+    browser.screenshot(&shots.join("suppression.png"));
+    browser.click(&browser.find("button[data-remove=\"browser-gone@delta.example\"]"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !browser.find_all(gone).is_empty() || browser.find_all(stays).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the row stayed in the table:\n{}",
+            browser.source()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    browser.wait_for_url("the list after removal", |url| {
+        url.ends_with("/suppression?search=browser")
+    });
+    assert_eq!(browser.find_all("tr[data-address]").len(), 1);
+    assert_eq!(
+        db.count_in("mail_suppression", "address = 'browser-gone@delta.example'")
+            .await,
+        0
+    );
+    assert_eq!(db.count_in("mail_suppression", "1 = 1").await, 2);
+    browser.screenshot(&shots.join("suppression-removed.png"));
     drop(served);
 }

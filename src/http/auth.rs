@@ -1,10 +1,10 @@
-//! Who may press the console's buttons. Without a token the console is
-//! read-only: nothing that changes a row is served. With one, an operator
-//! logs in once (the token, compared in constant time), gets a random session
-//! id in an `HttpOnly`, `SameSite=Strict` cookie and a per-session CSRF token
-//! that every form carries back; a POST without both, or from another origin,
-//! is refused and changes nothing. Sessions live in memory: a restart logs
-//! everyone out.
+//! Who may press the console's buttons (retry, cancel, removal from the
+//! suppression list). Without a token the console is read-only: nothing that
+//! changes a row is served. With one, an operator logs in once (the token,
+//! compared in constant time), gets a random session id in an `HttpOnly`,
+//! `SameSite=Strict` cookie and a per-session CSRF token that every form
+//! carries back; a POST without both, or from another origin, is refused and
+//! changes nothing. Sessions live in memory: a restart logs everyone out.
 
 use std::{
     collections::HashMap,
@@ -43,7 +43,8 @@ impl Refusal {
     pub fn explain(self) -> &'static str {
         match self {
             Refusal::ReadOnly => {
-                "the console is read-only: set console.token_file to allow retry and cancel"
+                "the console is read-only: set console.token_file to allow retry, cancel and \
+                 removal from the suppression list"
             }
             Refusal::NotLoggedIn => "log in first (or again: the session ended)",
             Refusal::Csrf => "the form's CSRF token is missing or wrong: reload the page",
@@ -92,7 +93,7 @@ impl Auth {
         }
     }
 
-    /// Retry and cancel can be unlocked (a token is configured).
+    /// Retry, cancel and removal can be unlocked (a token is configured).
     pub fn enabled(&self) -> bool {
         self.token.is_some()
     }

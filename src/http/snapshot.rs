@@ -1,9 +1,10 @@
 //! The snapshot: what `/metrics`, `/healthz` and the console's overview show
 //! of the database (counts by status, ages, failures of the last hour, the
-//! daemons, sent and failed per minute), read by one task at most every
-//! [`INTERVAL`] on a pool of one connection of its own. However many ask,
-//! the database sees one reader every few seconds, and never on the
-//! daemon's pool: a scrape storm cannot starve the claims (DESIGN §11).
+//! daemons, sent and failed per minute, reports of the last day by kind),
+//! read by one task at most every [`INTERVAL`] on a pool of one connection
+//! of its own. However many ask, the database sees one reader every few
+//! seconds, and never on the daemon's pool: a scrape storm cannot starve
+//! the claims (DESIGN §11).
 //!
 //! The task refreshes while someone asked within [`IDLE_AFTER`] and then
 //! rests: a daemon nobody watches runs no full-table count. Prometheus or a
@@ -23,7 +24,7 @@ use tokio::sync::{watch, Notify};
 use tokio_util::sync::CancellationToken;
 
 use crate::{
-    store::{DaemonRow, FailureGroup, MinuteCount, QueueStats, Store, StoreError},
+    store::{DaemonRow, FailureGroup, FeedbackCount, MinuteCount, QueueStats, Store, StoreError},
     telemetry::redact_addresses,
 };
 
@@ -41,6 +42,8 @@ pub const WAIT_FOR_FRESH: Duration = Duration::from_secs(3);
 pub const FAILURE_WINDOW: Duration = Duration::from_secs(3600);
 /// The minutes the overview's chart spans.
 pub const CHART_MINUTES: u32 = 60;
+/// The reports (bounces, complaints…) the overview counts by kind.
+pub const FEEDBACK_WINDOW: Duration = Duration::from_secs(24 * 3600);
 
 /// The figures of one refresh that the database answered.
 #[derive(Debug, Clone)]
@@ -49,6 +52,9 @@ pub struct Figures {
     pub failures: Vec<FailureGroup>,
     pub daemons: Vec<DaemonRow>,
     pub minutes: Vec<MinuteCount>,
+    /// Reports received within [`FEEDBACK_WINDOW`], by kind (kinds without
+    /// any are left out).
+    pub feedback: Vec<FeedbackCount>,
     /// When they were read (this host's clock, for the chart's axis).
     pub read_at: DateTime<Utc>,
 }
@@ -178,17 +184,32 @@ impl Snapshots {
     }
 }
 
-/// One refresh: four reads, one after the other on the one connection.
+impl Figures {
+    /// Reports of `kind` received within [`FEEDBACK_WINDOW`].
+    pub fn feedback_count(&self, kind: &str) -> i64 {
+        self.feedback
+            .iter()
+            .filter(|c| c.kind == kind)
+            .map(|c| c.count)
+            .sum()
+    }
+}
+
+/// One refresh: five reads, one after the other on the one connection. The
+/// reports' count reads the index on `received_at`: a day of reports, not
+/// the table.
 async fn read_figures(store: &dyn Store, lock_timeout: Duration) -> Result<Figures, StoreError> {
     let stats = store.stats(lock_timeout).await?;
     let failures = store.failure_groups(FAILURE_WINDOW).await?;
     let daemons = store.daemons().await?;
     let minutes = store.minutes(CHART_MINUTES).await?;
+    let feedback = store.feedback_counts(FEEDBACK_WINDOW).await?;
     Ok(Figures {
         stats,
         failures,
         daemons,
         minutes,
+        feedback,
         read_at: Utc::now(),
     })
 }

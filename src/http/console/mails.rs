@@ -21,18 +21,6 @@ pub(super) struct ListQuery {
     before_id: Option<String>,
 }
 
-fn is_blank(value: &Option<String>) -> bool {
-    value.as_deref().is_none_or(|v| v.trim().is_empty())
-}
-
-fn field(value: &Option<String>) -> Option<String> {
-    value
-        .as_deref()
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-        .map(str::to_string)
-}
-
 impl ListQuery {
     fn filter(&self) -> Result<MailFilter, String> {
         let number = |name: &str, value: &Option<String>| {
@@ -175,6 +163,9 @@ struct EventView {
     outcome: String,
     stage: String,
     code: String,
+    /// The recipient a report or the suppression list spoke of; `***@domain`
+    /// unless the content was asked for.
+    recipient: String,
     detail: String,
 }
 
@@ -203,6 +194,7 @@ struct MailPage {
     send_at: String,
     processed: String,
     retried: Option<String>,
+    bounced: Option<String>,
     message_id: String,
     dedupe_key: String,
     relay_reply: String,
@@ -262,6 +254,7 @@ impl MailPage {
             send_at: time(&r.send_at),
             processed: optional_time(&r.processed_at),
             retried: r.retried_at.as_ref().map(time),
+            bounced: r.bounced_at.as_ref().map(time),
             message_id: r.message_id.clone().unwrap_or_default(),
             dedupe_key: shown(&r.dedupe_key),
             relay_reply: shown(&r.relay_reply),
@@ -275,6 +268,11 @@ impl MailPage {
                     outcome: e.outcome.clone(),
                     stage: e.stage.clone().unwrap_or_default(),
                     code: e.smtp_code.map(|c| c.to_string()).unwrap_or_default(),
+                    recipient: match (&r.content, &e.recipient) {
+                        (_, None) => String::new(),
+                        (Some(_), Some(address)) => address.clone(),
+                        (None, Some(address)) => masked(address),
+                    },
                     detail: shown(&e.detail),
                 })
                 .collect(),

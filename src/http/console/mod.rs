@@ -1,20 +1,24 @@
-//! The operator console's pages (DESIGN §9): the overview, the failures of
-//! the last hour, the mail list and a mail's page, server-rendered from
-//! templates compiled in (`templates/`), HTML-escaped, working without
-//! JavaScript and fetching nothing (the style and the chart are inline).
+//! The operator console's pages (DESIGN §9, §12): the overview, the failures
+//! of the last hour, the mail list, a mail's page and the suppression list,
+//! server-rendered from templates compiled in (`templates/`), HTML-escaped,
+//! working without JavaScript and fetching nothing (the style and the chart
+//! are inline).
 //!
 //! Nothing here shows a body or a full recipient address unless a logged-in
-//! operator asks for it on a mail's page: recipients appear as their domains,
-//! and replies, errors, subjects and dedupe keys have the local part of
-//! every address in them replaced by `***`.
+//! operator asks for it on a mail's page (or opens the suppression list):
+//! recipients appear as their domains, and replies, errors, subjects and
+//! dedupe keys have the local part of every address in them replaced by
+//! `***`.
 //!
 //! - `overview`: the overview and the failures, from the snapshot.
 //! - `mails`: the list, a mail's page, and its retry and cancel buttons.
+//! - `suppression`: the suppression list, searched, and removal from it.
 //! - `login`: logging in and out.
 
 mod login;
 mod mails;
 mod overview;
+mod suppression;
 
 use std::sync::Arc;
 
@@ -39,7 +43,8 @@ use super::{
 use crate::{
     smtp::{failure_label, Role},
     store::{
-        AttachmentInfo, MailFilter, MailLookup, MailRecord, MailSummary, RetrySelection, Store,
+        AttachmentInfo, FeedbackKind, MailFilter, MailLookup, MailRecord, MailSummary,
+        RetrySelection, Store, SuppressionEntry, SuppressionFilter, SuppressionReason,
         RETRY_ATTEMPTS, STATUSES,
     },
     telemetry::redact_addresses,
@@ -60,6 +65,9 @@ pub struct Console {
     /// queue behind its refresh, never behind the claims.
     store: Arc<dyn Store>,
     auth: Auth,
+    /// Seals the suppression list's page links for those who may not see
+    /// its addresses.
+    cursors: suppression::Cursors,
 }
 
 impl Console {
@@ -72,6 +80,7 @@ impl Console {
             observed,
             store,
             auth: Auth::new(token),
+            cursors: suppression::Cursors::new(),
         })
     }
 }
@@ -85,6 +94,8 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/mails/{id}", get(mails::mail))
         .route("/mails/{id}/retry", post(mails::retry))
         .route("/mails/{id}/cancel", post(mails::cancel))
+        .route("/suppression", get(suppression::list))
+        .route("/suppression/remove", post(suppression::remove))
         .route("/login", get(login::login_page).post(login::login))
         .route("/logout", post(login::logout))
         .layer(middleware::from_fn(page_headers))
@@ -205,6 +216,21 @@ fn csrf_of(form: &Result<Form<ActionForm>, FormRejection>) -> Option<&str> {
     form.as_ref().ok().and_then(|Form(f)| f.csrf.as_deref())
 }
 
+/// A filter's field left empty (or only spaces): no filter, and left out of
+/// the links to other pages.
+fn is_blank(value: &Option<String>) -> bool {
+    value.as_deref().is_none_or(|v| v.trim().is_empty())
+}
+
+/// A filter's field, trimmed; `None` when blank.
+fn field(value: &Option<String>) -> Option<String> {
+    value
+        .as_deref()
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_string)
+}
+
 // ----- formatting -----
 
 fn time(t: &DateTime<Utc>) -> String {
@@ -231,6 +257,15 @@ fn redacted(text: &Option<String>) -> String {
     text.as_deref().map(redact_addresses).unwrap_or_default()
 }
 
+/// One bare address as those who may not see it do: `***@example.org`
+/// (the domain after the last `@`, as a quoted local part may hold one).
+fn masked(address: &str) -> String {
+    match address.rsplit_once('@') {
+        Some((_, domain)) => format!("***@{domain}"),
+        None => "***".into(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -243,5 +278,12 @@ mod tests {
         assert_eq!(age(3.0 * 3600.0 + 240.0), "3h 4m");
         assert_eq!(age(2.0 * 86400.0 + 3600.0), "2d 1h");
         assert_eq!(age(-5.0), "0s");
+    }
+
+    #[test]
+    fn masked_addresses_keep_only_the_domain() {
+        assert_eq!(masked("alice@example.org"), "***@example.org");
+        assert_eq!(masked("\"a@b\"@example.org"), "***@example.org");
+        assert_eq!(masked("no-at-sign"), "***");
     }
 }

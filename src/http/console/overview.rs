@@ -1,10 +1,17 @@
-//! The overview and the failures of the last hour: from the snapshot, no
-//! query per request.
+//! The overview (with the reports of the last day by kind) and the failures
+//! of the last hour: from the snapshot, no query per request.
 
 use super::*;
 
 struct CountRow {
     status: &'static str,
+    count: i64,
+}
+
+/// Reports of one kind within the snapshot's window: a count, never an
+/// address.
+struct FeedbackRow {
+    kind: &'static str,
     count: i64,
 }
 
@@ -60,6 +67,8 @@ struct OverviewPage {
     daemons: Vec<DaemonView>,
     groups: Vec<GroupView>,
     recent: Vec<FailureView>,
+    feedback: Vec<FeedbackRow>,
+    feedback_total: i64,
 }
 
 fn group_views(snapshot: &Snapshot) -> Vec<GroupView> {
@@ -95,6 +104,17 @@ pub(super) async fn overview(State(console): State<Arc<Console>>, headers: Heade
         .map(|status| CountRow {
             status,
             count: stats.count(status),
+        })
+        .collect();
+    // Every kind, in a fixed order, those without reports as 0.
+    let feedback: Vec<FeedbackRow> = FeedbackKind::ALL
+        .iter()
+        .map(|kind| FeedbackRow {
+            kind: kind.as_str(),
+            count: figures
+                .as_ref()
+                .map(|f| f.feedback_count(kind.as_str()))
+                .unwrap_or_default(),
         })
         .collect();
     let transport = &observed.transport;
@@ -167,6 +187,8 @@ pub(super) async fn overview(State(console): State<Arc<Console>>, headers: Heade
                 error: redacted(&f.last_error),
             })
             .collect(),
+        feedback_total: feedback.iter().map(|f| f.count).sum(),
+        feedback,
     };
     render(StatusCode::OK, page)
 }
