@@ -64,6 +64,8 @@ use tablemail::store::{self, BatchLock, Claim, FinalAction, Finalize, Store};
 
 #[path = "throughput/chaos.rs"]
 mod chaos;
+#[path = "throughput/feedback.rs"]
+mod feedback;
 #[allow(dead_code)]
 #[path = "../tests/support/proxy.rs"]
 mod proxy;
@@ -92,6 +94,11 @@ struct Options {
     daemons: Vec<usize>,
     /// `--chaos` (with `--soak`): one fault every `chaos_every`.
     chaos: Option<Duration>,
+    /// `--suppressed N`: paired drains with N addresses suppressed and none.
+    suppressed: Option<usize>,
+    /// `--reports N`: reports recorded per second, by the listener and by
+    /// `ingest`.
+    reports: Option<usize>,
 }
 
 fn options() -> Options {
@@ -136,6 +143,8 @@ fn options() -> Options {
                 })
                 .collect()
         }),
+        suppressed: value("--suppressed").map(|v| v.parse().expect("--suppressed N")),
+        reports: value("--reports").map(|v| v.parse().expect("--reports N")),
         chaos: args.iter().any(|a| a == "--chaos").then(|| {
             value("--chaos-every").map_or(Duration::from_secs(120), |v| {
                 humantime::parse_duration(&v).expect("--chaos-every DURATION")
@@ -561,6 +570,30 @@ impl BenchDb {
         .map_err(|e| e.to_string())
     }
 
+    /// `n` addresses on the suppression list, none of them a recipient of
+    /// the loaded mails (`…@suppressed.example`).
+    async fn load_suppressed(&self, n: usize) {
+        let numbers = match self.backend {
+            Backend::Postgres => format!("generate_series(1, {n}) AS g(n)"),
+            _ => format!(
+                "(WITH RECURSIVE s(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM s WHERE n < {n}) \
+                 SELECT n FROM s) AS g"
+            ),
+        };
+        let address = match self.backend {
+            Backend::Postgres => "'gone' || g.n || '@suppressed.example'",
+            Backend::Mysql => "CONCAT('gone', g.n, '@suppressed.example')",
+            Backend::Sqlite => "'gone' || g.n || '@suppressed.example'",
+        };
+        self.exec(&format!(
+            "INSERT INTO mail_suppression (address, reason) SELECT {address}, 'hard_bounce' FROM {numbers}"
+        ))
+        .await;
+        if self.backend == Backend::Postgres {
+            self.exec("VACUUM ANALYZE mail_suppression").await;
+        }
+    }
+
     /// One attachment for every mail, inserted as an application would
     /// (its bytes bound once).
     async fn attach_to_all(&self, content: &[u8]) {
@@ -912,6 +945,7 @@ struct Drain {
 }
 
 /// How a drain runs.
+#[derive(Clone, Copy)]
 struct Setup<'a> {
     target: &'a str,
     tablemail: &'a Path,
@@ -920,6 +954,9 @@ struct Setup<'a> {
     env: &'a [(&'a str, String)],
     /// The attachment each drained mail carries (empty: none).
     attachment: &'a [u8],
+    /// Addresses on the suppression list before the daemon starts, none of
+    /// them a recipient.
+    suppressed: usize,
 }
 
 /// `mails` rows of `shape` loaded before the daemon starts (as after an
@@ -962,6 +999,9 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
     db.load(mails, shape, "queued").await;
     if !setup.attachment.is_empty() {
         db.attach_to_all(setup.attachment).await;
+    }
+    if setup.suppressed > 0 {
+        db.load_suppressed(setup.suppressed).await;
     }
     if analyzed {
         db.analyze().await;
@@ -1455,6 +1495,7 @@ async fn main() {
         dir: &dir,
         env: &env,
         attachment: &attachment,
+        suppressed: 0,
     };
     println!("tablemail benchmark — {}", machine());
     println!(
@@ -1600,6 +1641,14 @@ async fn main() {
             "  1M due / 10k due, analyzed",
             format!("{:.2}x", c.burst_1m.1 / c.small),
         );
+    }
+    if let Some(n) = opts.suppressed {
+        let pairs = feedback::suppression_cost(&setup, opts.mails, opts.runs, n).await;
+        feedback::suppression_report(n, &pairs);
+    }
+    if let Some(n) = opts.reports {
+        let rates = feedback::report_rates(&setup, n).await;
+        feedback::rates_report(backend, n, rates);
     }
     if !opts.daemons.is_empty() {
         let mut runs = Vec::new();
