@@ -108,7 +108,10 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
             "last_error",
             "relay_down_count",
             "relay_reply",
-            "retried_at"
+            "retried_at",
+            "bounced_at",
+            "bypass_suppression",
+            "relay_queue_id"
         ]
     );
     // The history, attachments and daemons live in tables of their own.
@@ -124,7 +127,9 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
         [
             "mail_attachment",
             "mail_event",
+            "mail_feedback",
             "mail_queue",
+            "mail_suppression",
             "tablemail_daemon",
             "tablemail_migrations",
             "tablemail_minute"
