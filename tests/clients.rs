@@ -1,7 +1,8 @@
 //! The client packages of DESIGN §17, each tested by its own ecosystem's
 //! runner against the daemon built here: `clients/python` (Django's email
-//! backend) with pytest. It compares what the framework's own SMTP backend
-//! sends with what arrives through a row and the daemon, on real databases.
+//! backend) with pytest, `clients/node` (the Nodemailer transport) with
+//! `node --test`. Both compare what the framework's own SMTP backend sends
+//! with what arrives through a row and the daemon, on real databases.
 //!
 //! A missing runner or package fails under CI=true (scripts/test installs
 //! them) and is skipped, saying so, elsewhere; the runners' own tests fail
@@ -80,4 +81,21 @@ fn django_email_backend() {
         "clients/python/tests",
     ]);
     run(pytest);
+}
+
+#[test]
+fn nodemailer_transport() {
+    let (Some(node), Some(_)) = (tool("node"), tool("npm")) else {
+        return;
+    };
+    let modules = repo().join("clients/node/node_modules");
+    if !present(
+        "clients/node's packages (npm ci in clients/node)",
+        modules.join("nodemailer").is_dir() && modules.join("pg").is_dir(),
+    ) {
+        return;
+    }
+    let mut node_test = Command::new(node);
+    node_test.args(["--test", "clients/node/test/transport.test.js"]);
+    run(node_test);
 }
