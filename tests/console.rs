@@ -640,8 +640,14 @@ async fn suppression_list_and_feedback_counts(db: TestDb) {
             } else {
                 two_days_ago.as_str()
             };
+            // The hard bounces came by a provider's webhook.
+            let source = if kind == "hard_bounce" {
+                "webhook"
+            } else {
+                "ingest"
+            };
             reports.push(format!(
-                "({at}, 'ingest', NULL, 'fb-secret{n}@{kind}.example', '{kind}', '5.0.0', \
+                "({at}, '{source}', NULL, 'fb-secret{n}@{kind}.example', '{kind}', '5.0.0', \
                  'report', TRUE, 100)"
             ));
         }
@@ -684,6 +690,14 @@ async fn suppression_list_and_feedback_counts(db: TestDb) {
     let overview = feedback_matches_the_table(&db, port).await;
     assert_eq!(figure(&overview, "data-feedback=\"hard_bounce\""), Some(3));
     assert_eq!(figure(&overview, "data-feedback=\"total\""), Some(9));
+    // …and by where they came from.
+    for (source, count) in [("smtp", 0), ("ingest", 6), ("webhook", 3)] {
+        assert_eq!(
+            figure(&overview, &format!("data-feedback-source=\"{source}\"")),
+            Some(count),
+            "{source}"
+        );
+    }
     assert!(overview.contains("href=\"/suppression\""), "{overview}");
     assert!(!overview.contains("fb-secret") && !overview.contains('@'));
     let overview = overview_matches_the_table(&db, port).await;

@@ -193,6 +193,15 @@ impl Figures {
             .map(|c| c.count)
             .sum()
     }
+
+    /// Reports from `source` received within [`FEEDBACK_WINDOW`].
+    pub fn feedback_from(&self, source: &str) -> i64 {
+        self.feedback
+            .iter()
+            .filter(|c| c.source == source)
+            .map(|c| c.count)
+            .sum()
+    }
 }
 
 /// One refresh: five reads, one after the other on the one connection. The

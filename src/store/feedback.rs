@@ -19,6 +19,12 @@ pub enum FeedbackSource {
 }
 
 impl FeedbackSource {
+    pub const ALL: [FeedbackSource; 3] = [
+        FeedbackSource::Smtp,
+        FeedbackSource::Ingest,
+        FeedbackSource::Webhook,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             FeedbackSource::Smtp => "smtp",
@@ -135,9 +141,12 @@ impl FeedbackItem {
     }
 }
 
-/// Reports of one kind received lately (the console's overview).
+/// Reports of one kind from one source received lately (the console's
+/// overview).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FeedbackCount {
+    /// `smtp`, `ingest` or `webhook` ([`FeedbackSource`]).
+    pub source: String,
     pub kind: String,
     pub count: i64,
 }

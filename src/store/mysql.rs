@@ -385,9 +385,9 @@ WHERE (expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6)) AND address IN ("#,
 SELECT address, reason, detail, mail_id, created_at, expires_at FROM mail_suppression WHERE 1 = 1"#,
     in_force: "(expires_at IS NULL OR expires_at > UTC_TIMESTAMP(6))",
     feedback_counts: r#"
-SELECT kind, COUNT(*) AS count FROM mail_feedback
+SELECT source, kind, COUNT(*) AS count FROM mail_feedback
 WHERE received_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND
-GROUP BY kind
+GROUP BY source, kind
 "#,
     purge_feedback: r#"
 DELETE FROM mail_feedback

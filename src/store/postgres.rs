@@ -377,9 +377,9 @@ WHERE s.expires_at IS NULL OR s.expires_at > now()
 SELECT address, reason, detail, mail_id, created_at, expires_at FROM mail_suppression WHERE 1 = 1"#,
     in_force: "(expires_at IS NULL OR expires_at > now())",
     feedback_counts: r#"
-SELECT kind, count(*) AS count FROM mail_feedback
+SELECT source, kind, count(*) AS count FROM mail_feedback
 WHERE received_at > now() - $1 * interval '1 millisecond'
-GROUP BY kind
+GROUP BY source, kind
 "#,
     purge_feedback: r#"
 DELETE FROM mail_feedback WHERE id IN (

@@ -110,7 +110,11 @@ macro_rules! from_row {
 }
 
 from_row!(StatusCount { status, count });
-from_row!(FeedbackCount { kind, count });
+from_row!(FeedbackCount {
+    source,
+    kind,
+    count
+});
 from_row!(Suppressed { address, reason });
 from_row!(SuppressionEntry {
     address,

@@ -154,7 +154,7 @@ pub(crate) struct FeedbackQueries {
     pub suppression_columns: &'static str,
     /// The condition "in force" (not expired), for filters.
     pub in_force: &'static str,
-    /// ($1 within) -> `kind`, `count`.
+    /// ($1 within) -> `source`, `kind`, `count`.
     pub feedback_counts: &'static str,
     /// ($1 older than, $2 limit): reports past retention.
     pub purge_feedback: &'static str,

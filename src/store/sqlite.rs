@@ -319,9 +319,9 @@ WHERE (expires_at IS NULL OR expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now'))
 SELECT address, reason, detail, mail_id, created_at, expires_at FROM mail_suppression WHERE 1 = 1"#,
     in_force: "(expires_at IS NULL OR expires_at > strftime('%Y-%m-%d %H:%M:%f', 'now'))",
     feedback_counts: r#"
-SELECT kind, count(*) AS count FROM mail_feedback
+SELECT source, kind, count(*) AS count FROM mail_feedback
 WHERE received_at > strftime('%Y-%m-%d %H:%M:%f', 'now', '-' || (?1 / 1000.0) || ' seconds')
-GROUP BY kind
+GROUP BY source, kind
 "#,
     purge_feedback: r#"
 DELETE FROM mail_feedback WHERE id IN (

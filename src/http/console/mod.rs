@@ -43,8 +43,8 @@ use super::{
 use crate::{
     smtp::{failure_label, Role},
     store::{
-        AttachmentInfo, FeedbackKind, MailFilter, MailLookup, MailRecord, MailSummary,
-        RetrySelection, Store, SuppressionEntry, SuppressionFilter, SuppressionReason,
+        AttachmentInfo, FeedbackKind, FeedbackSource, MailFilter, MailLookup, MailRecord,
+        MailSummary, RetrySelection, Store, SuppressionEntry, SuppressionFilter, SuppressionReason,
         RETRY_ATTEMPTS, STATUSES,
     },
     telemetry::redact_addresses,

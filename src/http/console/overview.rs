@@ -69,6 +69,8 @@ struct OverviewPage {
     recent: Vec<FailureView>,
     feedback: Vec<FeedbackRow>,
     feedback_total: i64,
+    /// The same reports by where they came from (smtp, ingest, webhook).
+    feedback_sources: Vec<FeedbackRow>,
 }
 
 fn group_views(snapshot: &Snapshot) -> Vec<GroupView> {
@@ -114,6 +116,16 @@ pub(super) async fn overview(State(console): State<Arc<Console>>, headers: Heade
             count: figures
                 .as_ref()
                 .map(|f| f.feedback_count(kind.as_str()))
+                .unwrap_or_default(),
+        })
+        .collect();
+    let feedback_sources: Vec<FeedbackRow> = FeedbackSource::ALL
+        .iter()
+        .map(|source| FeedbackRow {
+            kind: source.as_str(),
+            count: figures
+                .as_ref()
+                .map(|f| f.feedback_from(source.as_str()))
                 .unwrap_or_default(),
         })
         .collect();
@@ -189,6 +201,7 @@ pub(super) async fn overview(State(console): State<Arc<Console>>, headers: Heade
             .collect(),
         feedback_total: feedback.iter().map(|f| f.count).sum(),
         feedback,
+        feedback_sources,
     };
     render(StatusCode::OK, page)
 }
