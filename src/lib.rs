@@ -14,7 +14,8 @@
 //! - [`mail`]: a row's draft -> checked, maybe DKIM-signed message bytes.
 //! - [`smtp`]: the stage-aware SMTP client, its pool, fallback, file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.
-//! - [`feedback`]: bounces and complaints: VERP, parser, correlation, listener.
+//! - [`feedback`]: bounces and complaints: VERP, parser, correlation, the
+//!   SMTP listener, the providers' webhooks.
 //! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
 //! - [`http`]: `/metrics`, `/healthz` and the console (axum), from snapshots.
 //! - [`worker`]: claim -> send -> group commit; outcome policy, pacing, chores.

@@ -110,6 +110,37 @@ fn delivery_loop(settings: &Settings, defaults: &crate::mail::MessageDefaults) {
     }
 }
 
+/// One line per provider whose webhook is configured (DESIGN §14); the
+/// keys were read and checked with the configuration.
+fn webhooks(settings: &Settings) {
+    let hooks = &settings.webhooks;
+    let Some(listen) = &hooks.listen else {
+        println!("webhooks.listen: not set: no provider webhooks");
+        return;
+    };
+    let providers = hooks.providers();
+    println!(
+        "webhooks.listen: {listen} ({} configured)",
+        if providers.is_empty() {
+            "no provider".to_string()
+        } else {
+            providers.join(", ")
+        }
+    );
+    for provider in providers {
+        let how = match provider {
+            "ses" => format!(
+                "SNS topics {} (signatures verified against Amazon's certificates)",
+                hooks.ses.topic_arns.join(", ")
+            ),
+            "postmark" => "HTTP basic credentials (webhooks.postmark.credentials_file)".into(),
+            "mailgun" => "HMAC signing key (webhooks.mailgun.signing_key_file)".into(),
+            _ => "ECDSA public key (webhooks.sendgrid.public_key_file)".into(),
+        };
+        println!("webhook {provider}: POST /webhooks/{provider}, {how}");
+    }
+}
+
 pub(super) async fn check(settings: &Settings) -> Result<()> {
     let mut problems = Vec::new();
     let transport = build_transport(settings)?;
@@ -187,6 +218,7 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
         );
     }
     delivery_loop(settings, &defaults);
+    webhooks(settings);
     if problems.is_empty() {
         Ok(())
     } else {

@@ -9,6 +9,7 @@ use crate::{
     feedback::{
         inbound::{self, Envelope, InboundOptions, Refusal, ReportSink},
         record::Recorder,
+        webhooks,
     },
     http, mail, shutdown,
     store::{FeedbackSource, Store},
@@ -132,6 +133,35 @@ async fn start_inbound(
     Ok(())
 }
 
+/// Binds `webhooks.listen` and serves the providers' endpoints until
+/// `cancel` fires (DESIGN §14).
+async fn start_webhooks(
+    settings: &Settings,
+    listen: &str,
+    recorder: Recorder,
+    cancel: CancellationToken,
+) -> Result<()> {
+    let hooks = &settings.webhooks;
+    let keys = hooks
+        .keys()
+        .map_err(|e| CommandError::Usage(e.to_string()))?;
+    if keys.providers().is_empty() {
+        tracing::warn!(
+            listen,
+            "webhooks.listen is set but no provider's key is: every endpoint answers 404"
+        );
+    }
+    let options = webhooks::Options {
+        max_body_size: hooks.max_body_size.0 as usize,
+        rate_limit: hooks.rate_limit,
+        timeout: hooks.timeout,
+    };
+    webhooks::start(listen, options, keys, recorder, cancel)
+        .await
+        .map_err(CommandError::Runtime)?;
+    Ok(())
+}
+
 pub(super) async fn run(settings: &Settings) -> Result<()> {
     let cancel = shutdown::on_signal();
     let transport = build_transport(settings)?;
@@ -210,6 +240,10 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
     if settings.inbound.listen.is_some() {
         let recorder = super::feedback::recorder(settings, store.clone(), Some(worker.metrics()))?;
         start_inbound(settings, recorder, cancel.clone()).await?;
+    }
+    if let Some(listen) = &settings.webhooks.listen {
+        let recorder = super::feedback::recorder(settings, store.clone(), Some(worker.metrics()))?;
+        start_webhooks(settings, listen, recorder, cancel.clone()).await?;
     }
     // Migrated, and the database answered: ready to work.
     systemd::notify("READY=1");

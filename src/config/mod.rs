@@ -8,6 +8,7 @@
 //!   builds.
 //! - `delivery`: the delivery loop's sections (bounce, inbound,
 //!   suppression).
+//! - `webhooks`: the providers' webhooks (listener, keys).
 //! - `files`: the config file and credential files.
 
 use std::{path::Path, time::Duration};
@@ -20,11 +21,13 @@ use crate::smtp::TransportKind;
 mod delivery;
 mod files;
 mod sections;
+mod webhooks;
 
 pub use delivery::*;
 pub use files::credential_path;
 use files::{check_readable, read_credential};
 pub use sections::*;
+pub use webhooks::*;
 
 /// Where the daemon looks for a config file when `--config` is not given.
 pub const SYSTEM_CONFIG_PATH: &str = "/etc/tablemail/tablemail.toml";
@@ -54,6 +57,7 @@ pub struct Settings {
     pub bounce: BounceSettings,
     pub inbound: InboundSettings,
     pub suppression: SuppressionSettings,
+    pub webhooks: WebhooksSettings,
 }
 
 impl Settings {
@@ -302,6 +306,7 @@ impl Settings {
                 "inbound.timeout and inbound.session_limit must be above zero",
             ));
         }
+        self.webhooks.validate()?;
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", e.to_string()))?;
         Ok(())

@@ -3,6 +3,9 @@
 //! Message-ID tablemail gave the mail, else by the relay's queue id — and
 //! act on a recipient only when the report proves it saw that mail go to
 //! that recipient. Everything else is kept, unmatched, and changes nothing.
+//! A provider's webhook event (DESIGN §14) arrives already read, in the
+//! same terms ([`parse::Report`]), and takes the same path from
+//! [`Recorder::judge_report`] on.
 
 use std::sync::Arc;
 
@@ -88,7 +91,19 @@ impl Recorder {
                 .await
                 .map_err(|e| StoreError::Unsupported(format!("the report's parser stopped: {e}")))?
         };
-        let found = self.find_mail(&report, envelope).await?;
+        self.judge_report(&report, envelope, raw.len()).await
+    }
+
+    /// Finds what a report already read proves (a mail report parsed, or a
+    /// provider's webhook event put in the same terms, DESIGN §14): the
+    /// same correlation and the same proof rule, whatever brought it.
+    pub async fn judge_report(
+        &self,
+        report: &parse::Report,
+        envelope: &[String],
+        size: usize,
+    ) -> Result<Verdict, StoreError> {
+        let found = self.find_mail(report, envelope).await?;
         let sent_to = found
             .as_ref()
             .map(|(target, _)| sent_to(target))
@@ -142,7 +157,7 @@ impl Recorder {
             items,
             mail: found.map(|(t, proof)| (t.id, proof)),
             sent_to,
-            size: raw.len(),
+            size,
         })
     }
 
@@ -154,6 +169,33 @@ impl Recorder {
         source: FeedbackSource,
     ) -> Result<(Verdict, FeedbackRecorded), StoreError> {
         let verdict = self.judge(raw, envelope).await?;
+        let recorded = self.keep(&verdict, raw, source, None).await?;
+        Ok((verdict, recorded))
+    }
+
+    /// Judges a report already read and records it, in one transaction,
+    /// under the provider's event key: a provider's retry of an event
+    /// already kept records nothing and does nothing.
+    pub async fn record_report(
+        &self,
+        report: &parse::Report,
+        raw: &[u8],
+        source: FeedbackSource,
+        event_key: Option<String>,
+    ) -> Result<(Verdict, FeedbackRecorded), StoreError> {
+        let verdict = self.judge_report(report, &[], raw.len()).await?;
+        let recorded = self.keep(&verdict, raw, source, event_key).await?;
+        Ok((verdict, recorded))
+    }
+
+    /// Writes what a verdict does, counts and logs it.
+    async fn keep(
+        &self,
+        verdict: &Verdict,
+        raw: &[u8],
+        source: FeedbackSource,
+        event_key: Option<String>,
+    ) -> Result<FeedbackRecorded, StoreError> {
         let recorded = self
             .store
             .record_feedback(&FeedbackRecord {
@@ -163,9 +205,13 @@ impl Recorder {
                 items: verdict.items.clone(),
                 sent_to: verdict.sent_to.clone(),
                 policy: self.policy,
+                event_key,
             })
             .await?;
-        for item in &verdict.items {
+        for (index, item) in verdict.items.iter().enumerate() {
+            if recorded.repeated.contains(&index) {
+                continue;
+            }
             if let Some(metrics) = &self.metrics {
                 metrics.feedback(item.kind);
             }
@@ -184,6 +230,13 @@ impl Recorder {
                 "report recorded"
             );
         }
+        if !recorded.repeated.is_empty() {
+            tracing::info!(
+                items = recorded.repeated.len(),
+                source = source.as_str(),
+                "report already recorded"
+            );
+        }
         if !recorded.suppressed.is_empty() {
             tracing::info!(
                 addresses = recorded.suppressed.len(),
@@ -191,7 +244,7 @@ impl Recorder {
                 "addresses suppressed"
             );
         }
-        Ok((verdict, recorded))
+        Ok(recorded)
     }
 
     /// The mail a report proves it is about, if any.

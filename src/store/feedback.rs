@@ -187,11 +187,29 @@ pub struct FeedbackRecord {
     /// hard-bounced, the mail's status becomes `bounced`.
     pub sent_to: Vec<String>,
     pub policy: SuppressionPolicy,
+    /// The provider's id of the event (a webhook's, DESIGN §14): the first
+    /// item is kept under it, the n-th after it under `KEY#n`. An item whose
+    /// key is already kept is a provider's retry: it is not recorded again
+    /// and does nothing.
+    pub event_key: Option<String>,
+}
+
+impl FeedbackRecord {
+    /// The key item `index` is kept under (see [`FeedbackRecord::event_key`]).
+    pub fn item_key(&self, index: usize) -> Option<String> {
+        self.event_key.as_ref().map(|key| match index {
+            0 => key.clone(),
+            n => format!("{key}#{n}"),
+        })
+    }
 }
 
 /// What recording a report did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FeedbackRecorded {
+    /// The indexes of the items already kept under their event key:
+    /// recorded before, left alone now.
+    pub repeated: Vec<usize>,
     /// Addresses added to (or made permanent on) the suppression list.
     pub suppressed: Vec<String>,
     /// The mail whose status became `bounced`.
@@ -282,7 +300,10 @@ pub fn search_key(text: &str) -> String {
 /// The relay's queue id in its reply to "." (`relay_reply`), as the relay's
 /// own reports name the mail: Postfix and many others say `queued as
 /// 4XyZ`, Exim `id=1abc-000123-Xy`, Sendmail `<id> Message accepted`,
-/// Amazon SES `Ok <message id>`. `None` when the reply names none.
+/// Amazon SES `Ok <message id>`. The providers' webhooks (DESIGN §14) name
+/// the same ids: SES's `mail.messageId`, SendGrid's `sg_message_id` up to
+/// its first dot (`Ok: queued as <id>`), Postmark's `MessageID` (`queued as
+/// <uuid>`). `None` when the reply names none (Mailgun's `Great success`).
 pub fn relay_queue_id(reply: &str) -> Option<&str> {
     let words: Vec<&str> = reply.split_ascii_whitespace().take(16).collect();
     let lower = |i: usize| words.get(i).map(|w| w.to_ascii_lowercase());
@@ -344,6 +365,15 @@ mod tests {
                 Some("0100018f2b9c1a2d-1b2c3d4e-5f6a-7b8c-9d0e-1f2a3b4c5d6e-000000"),
             ),
             ("250 Ok: queued as <abc.def@relay>", Some("abc.def@relay")),
+            // SendGrid and Postmark.
+            (
+                "250 Ok: queued as nhIMmON9SFOPcT0ii4nt2A",
+                Some("nhIMmON9SFOPcT0ii4nt2A"),
+            ),
+            (
+                "250 2.0.0 OK: queued as 0a129aee-e1cd-480d-b08d-4f48548ff48d",
+                Some("0a129aee-e1cd-480d-b08d-4f48548ff48d"),
+            ),
             ("250 2.0.0 Ok", None),
             ("250 Great success", None),
             ("250 ok queued as", None),

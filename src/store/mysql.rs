@@ -321,8 +321,9 @@ FROM mail_queue WHERE id IN "#;
 /// MySQL assigns left to right, each assignment seeing the ones before it.
 static FEEDBACK: FeedbackQueries = FeedbackQueries {
     insert_feedback: r#"
-INSERT INTO mail_feedback (source, mail_id, recipient, kind, status, diagnostic, matched, size, raw)
-SELECT ?, (SELECT id FROM mail_queue WHERE id = ?), ?, ?, ?, ?, ?, ?, ?
+INSERT INTO mail_feedback
+    (source, mail_id, recipient, kind, status, diagnostic, matched, size, raw, event_key)
+SELECT ?, (SELECT id FROM mail_queue WHERE id = ?), ?, ?, ?, ?, ?, ?, ?, ?
 "#,
     insert_report_event: r#"
 INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail, recipient)

@@ -112,8 +112,10 @@ pub(crate) struct Queries {
 /// the backend's unit.
 pub(crate) struct FeedbackQueries {
     /// ($1 source, $2 mail id or NULL, $3 recipient, $4 kind, $5 status,
-    /// $6 diagnostic, $7 matched, $8 size, $9 raw): a mail id that no row
-    /// has any more is written as NULL.
+    /// $6 diagnostic, $7 matched, $8 size, $9 raw, $10 event key or NULL):
+    /// a mail id that no row has any more is written as NULL; a row whose
+    /// event key is taken is not written (no row affected, or on MySQL a
+    /// unique violation, which leaves the transaction usable).
     pub insert_feedback: &'static str,
     /// ($1 outcome, $2 smtp code, $3 detail, $4 recipient, $5 mail id): a
     /// history row at the mail's current attempt.

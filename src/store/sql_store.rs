@@ -573,10 +573,15 @@ where
                 Box::pin(async move {
                     let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
                     let mut recorded = FeedbackRecorded::default();
+                    let keys: Vec<Option<String>> = (0..record.items.len())
+                        .map(|i| record.item_key(i))
+                        .collect();
                     let mut raw = record.raw;
                     let mut hard_bounced_mail = None;
-                    for item in &record.items {
-                        sqlx::query(f.insert_feedback)
+                    for (index, item) in record.items.iter().enumerate() {
+                        let key = keys[index].clone();
+                        let keyed = key.is_some();
+                        let inserted = sqlx::query(f.insert_feedback)
                             .bind(record.source.as_str().to_string())
                             .bind(item.mail_id)
                             .bind(item.recipient.clone())
@@ -587,8 +592,22 @@ where
                             .bind(record.size.min(i32::MAX as usize) as i32)
                             // The report once, with its first recipient.
                             .bind(raw.take())
+                            .bind(key)
                             .execute(&mut *tx)
-                            .await?;
+                            .await;
+                        // A taken event key: the provider's retry of an
+                        // event already kept, which does nothing again.
+                        let inserted = match inserted {
+                            Ok(done) => done.count() > 0,
+                            Err(sqlx::Error::Database(e)) if keyed && e.is_unique_violation() => {
+                                false
+                            }
+                            Err(e) => return Err(e),
+                        };
+                        if !inserted {
+                            recorded.repeated.push(index);
+                            continue;
+                        }
                         let (true, Some(mail_id), Some(recipient)) =
                             (item.matched, item.mail_id, item.recipient.clone())
                         else {

@@ -257,8 +257,10 @@ FROM jsonb_each(?1)
 /// SQLite's own format, so that the indexes on `received_at` serve them.
 static FEEDBACK: FeedbackQueries = FeedbackQueries {
     insert_feedback: r#"
-INSERT INTO mail_feedback (source, mail_id, recipient, kind, status, diagnostic, matched, size, raw)
-VALUES (?1, (SELECT id FROM mail_queue WHERE id = ?2), ?3, ?4, ?5, ?6, ?7, ?8, ?9)
+INSERT INTO mail_feedback
+    (source, mail_id, recipient, kind, status, diagnostic, matched, size, raw, event_key)
+VALUES (?1, (SELECT id FROM mail_queue WHERE id = ?2), ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+ON CONFLICT (event_key) WHERE event_key IS NOT NULL DO NOTHING
 "#,
     insert_report_event: r#"
 INSERT INTO mail_event (mail_id, attempt, outcome, stage, smtp_code, detail, recipient)

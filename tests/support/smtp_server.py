@@ -24,7 +24,11 @@ serves every case of a test:
 Server-wide options: --auth USER:PASS (AUTH required), --tls CERT KEY (offer
 STARTTLS), --implicit-tls CERT KEY (TLS from the first byte), --throttle-file
 PATH (while PATH exists, every RCPT is answered 421 4.7.0: the whole relay
-throttles), --no-smtputf8 (SMTPUTF8 not offered in the EHLO reply).
+throttles), --no-smtputf8 (SMTPUTF8 not offered in the EHLO reply),
+--reply-like PROVIDER (end of data answered as that provider's SMTP server
+answers, with a fresh id per mail: ses "250 Ok <id>", sendgrid "250 Ok:
+queued as <id>", postmark "250 2.0.0 OK: queued as <uuid>", mailgun "250
+Great success").
 
 Prints "PORT <n>" on stdout once it listens.
 """
@@ -37,6 +41,7 @@ import os
 import ssl
 import sys
 import time
+import uuid
 import warnings
 
 from aiosmtpd.smtp import SMTP, AuthResult, LoginPassword
@@ -52,8 +57,22 @@ def rule_of(rcpts):
     return None
 
 
+def provider_reply(provider):
+    """The 250 reply to end of data of a provider's SMTP server."""
+    if provider == "ses":
+        return "250 Ok %016x-%s-000000" % (int(time.time() * 1000) << 8, uuid.uuid4())
+    if provider == "sendgrid":
+        return "250 Ok: queued as %s" % uuid.uuid4().hex[:22]
+    if provider == "postmark":
+        return "250 2.0.0 OK: queued as %s" % uuid.uuid4()
+    if provider == "mailgun":
+        return "250 Great success"
+    return "250 2.0.0 Ok: queued"
+
+
 class Recorder:
-    def __init__(self, out, slow, throttle_file):
+    def __init__(self, out, slow, throttle_file, reply_like=None):
+        self.reply_like = reply_like
         self.out = out
         self.slow = slow
         self.throttle_file = throttle_file
@@ -113,7 +132,7 @@ class Recorder:
         if rule == "dropdot":
             server.transport.close()
             return None
-        return "250 2.0.0 Ok: queued"
+        return provider_reply(self.reply_like)
 
 
 def message_id(content):
@@ -142,12 +161,13 @@ def main():
     p.add_argument("--implicit-tls", nargs=2)
     p.add_argument("--throttle-file")
     p.add_argument("--no-smtputf8", action="store_true")
+    p.add_argument("--reply-like", choices=["ses", "sendgrid", "postmark", "mailgun"])
     args = p.parse_args()
     # Failed handshakes and rejected logins are what the tests provoke.
     logging.getLogger("mail.log").setLevel(logging.CRITICAL)
     warnings.simplefilter("ignore")
 
-    recorder = Recorder(args.out, args.slow, args.throttle_file)
+    recorder = Recorder(args.out, args.slow, args.throttle_file, args.reply_like)
     open(args.out, "a").close()
     open(args.out + ".attempts", "a").close()
     open(args.out + ".auth", "a").close()

@@ -103,19 +103,23 @@ pub enum Form {
     /// A non-standard bounce of the family named: "postfix", "exim",
     /// "qmail", "yahoo", "sendmail", "exchange", "gmail", or "generic".
     NonStandard(&'static str),
+    /// An event of the provider named ("ses", "postmark", "mailgun",
+    /// "sendgrid"), received by its webhook and put in these terms there
+    /// (DESIGN §14); never the parser's answer.
+    Webhook(&'static str),
     /// None of these.
     Unknown,
 }
 
 impl Form {
-    /// `dsn`, `arf`, `auto_reply`, the family of a non-standard bounce, or
-    /// `unknown`.
+    /// `dsn`, `arf`, `auto_reply`, the family of a non-standard bounce, the
+    /// provider of a webhook's event, or `unknown`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Form::Dsn => "dsn",
             Form::Arf => "arf",
             Form::AutoReply => "auto_reply",
-            Form::NonStandard(family) => family,
+            Form::NonStandard(family) | Form::Webhook(family) => family,
             Form::Unknown => "unknown",
         }
     }
