@@ -180,6 +180,12 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
             "DKIM signing mails from the domain and its subdomains"
         );
     }
+    for key in settings.transport.clear_text_relays() {
+        tracing::warn!(
+            relay = key,
+            "relay without TLS (tls=none): mail travels in clear to another host"
+        );
+    }
     if let Some(to) = transport.redirected_to() {
         tracing::warn!(
             redirect_to = %redact_addresses(to.as_ref()),

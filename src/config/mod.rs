@@ -475,18 +475,27 @@ mod tests {
                 .plaintext_auth_refused()
         };
         let url = "TABLEMAIL__TRANSPORT__URL";
-        assert_eq!(refused(&[(url, "smtp://relay:25")]), ["transport.url"]);
+        assert_eq!(
+            refused(&[(url, "smtp://relay:25?tls=none")]),
+            ["transport.url"]
+        );
+        // smtp:// means STARTTLS, except on this host.
+        assert!(refused(&[(url, "smtp://relay:25")]).is_empty());
+        assert_eq!(refused(&[(url, "smtp://127.0.0.1:25")]), ["transport.url"]);
         assert!(refused(&[(url, "smtp://relay:587?tls=required")]).is_empty());
         assert!(refused(&[(url, "smtps://relay")]).is_empty());
         assert!(refused(&[
-            (url, "smtp://relay:25"),
+            (url, "smtp://relay:25?tls=none"),
             ("TABLEMAIL__TRANSPORT__ALLOW_PLAINTEXT_AUTH", "true"),
         ])
         .is_empty());
         // The fallback's own login, judged by its own URL.
         let fallback = [
             (url, "smtps://relay"),
-            ("TABLEMAIL__TRANSPORT__FALLBACK_URL", "smtp://backup:25"),
+            (
+                "TABLEMAIL__TRANSPORT__FALLBACK_URL",
+                "smtp://backup:25?tls=none",
+            ),
             ("TABLEMAIL__TRANSPORT__FALLBACK_USERNAME", "other"),
             ("TABLEMAIL__TRANSPORT__FALLBACK_PASSWORD_FILE", "/dev/null"),
         ];

@@ -430,6 +430,26 @@ impl TransportSettings {
         refused
     }
 
+    /// The relays (keys) that send in clear to another host: `?tls=none`
+    /// said on purpose, logged at start.
+    pub fn clear_text_relays(&self) -> Vec<&'static str> {
+        let clear = |url: &str| {
+            matches!(
+                TransportKind::parse(url),
+                Ok(TransportKind::Smtp { ref host, tls: crate::smtp::TlsMode::None, .. })
+                    if !crate::smtp::is_loopback(host)
+            )
+        };
+        let mut keys = Vec::new();
+        if clear(&self.url) {
+            keys.push("transport.url");
+        }
+        if self.fallback_url.as_deref().is_some_and(clear) {
+            keys.push("transport.fallback_url");
+        }
+        keys
+    }
+
     /// The relay client these settings name; `hello` is our name in EHLO.
     pub fn client(&self, hello: &str) -> Result<Transport> {
         let invalid = |e: TransportError| ConfigError::Invalid {

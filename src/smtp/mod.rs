@@ -35,7 +35,7 @@ use secrecy::{ExposeSecret, SecretString};
 
 pub use error::{failure_label, Delivered, Reply, Role, SendError, Stage};
 pub use session::Session;
-pub use url::{TlsMode, TransportKind, UrlError};
+pub use url::{is_loopback, TlsMode, TransportKind, UrlError};
 
 use file::FileTransport;
 use session::SmtpRelay;

@@ -12,7 +12,8 @@ pub enum UrlError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TlsMode {
-    /// Plain text, for a relay on the same host or network.
+    /// Plain text: a relay on this host (`localhost`, a loopback address),
+    /// or `?tls=none` said on purpose.
     None,
     /// STARTTLS, never downgraded to plain text.
     StartTls,
@@ -51,10 +52,16 @@ impl TransportKind {
                 let authority = authority.trim_end_matches('/');
                 let default_port = if scheme == "smtps" { 465 } else { 25 };
                 let (host, port) = split_host_port(authority, default_port)?;
+                // RFC 8314: a session is confidential only with TLS and a
+                // certificate that validates. `smtp://` means STARTTLS,
+                // required, except on this host, where there is no wire to
+                // protect.
                 let mut tls = if scheme == "smtps" {
                     TlsMode::Implicit
-                } else {
+                } else if is_loopback(&host) {
                     TlsMode::None
+                } else {
+                    TlsMode::StartTls
                 };
                 for pair in query.split('&').filter(|p| !p.is_empty()) {
                     match pair {
@@ -62,7 +69,7 @@ impl TransportKind {
                         "tls=none" if scheme == "smtp" => tls = TlsMode::None,
                         other => {
                             return Err(UrlError::Invalid(format!(
-                                "unknown option `{other}` (smtp:// takes tls=required)"
+                                "unknown option `{other}` (smtp:// takes tls=required or tls=none)"
                             )))
                         }
                     }
@@ -72,6 +79,15 @@ impl TransportKind {
             _ => Err(UrlError::Scheme),
         }
     }
+}
+
+/// `localhost` or a loopback address: no wire to protect.
+pub fn is_loopback(host: &str) -> bool {
+    let host = host.trim_end_matches('.');
+    host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
 }
 
 fn split_host_port(authority: &str, default_port: u16) -> Result<(String, u16), UrlError> {
@@ -109,9 +125,25 @@ mod tests {
             tls,
         };
         let cases = [
+            // STARTTLS unless said otherwise, except on this host.
             (
                 "smtp://relay.example:2525",
+                smtp("relay.example", 2525, TlsMode::StartTls),
+            ),
+            (
+                "smtp://relay.example:2525?tls=none",
                 smtp("relay.example", 2525, TlsMode::None),
+            ),
+            ("smtp://10.1.2.3", smtp("10.1.2.3", 25, TlsMode::StartTls)),
+            (
+                "smtp://127.0.0.1:2525",
+                smtp("127.0.0.1", 2525, TlsMode::None),
+            ),
+            ("smtp://127.9.9.9", smtp("127.9.9.9", 25, TlsMode::None)),
+            ("smtp://localhost", smtp("localhost", 25, TlsMode::None)),
+            (
+                "smtp://localhost?tls=required",
+                smtp("localhost", 25, TlsMode::StartTls),
             ),
             (
                 "smtp://relay.example:587?tls=required",
