@@ -169,6 +169,20 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
             problems.push("database");
         }
     }
+    for tokens in transport.oauth2() {
+        match tokens.fetch().await {
+            Ok(lifetime) => println!(
+                "transport.oauth2: {} token obtained for {}, valid for {}s",
+                tokens.provider(),
+                redact_addresses(tokens.user()),
+                lifetime.as_secs()
+            ),
+            Err(e) => {
+                println!("transport.oauth2: no token: {e}");
+                problems.push("transport.oauth2 (token)");
+            }
+        }
+    }
     let mut relays = vec![(Role::Primary, "transport.url")];
     if transport.has_fallback() {
         relays.push((Role::Fallback, "transport.fallback_url"));

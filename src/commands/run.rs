@@ -67,6 +67,32 @@ fn config_faults(settings: &Settings, no_sender: bool) -> Vec<String> {
     faults
 }
 
+/// Fetches the first OAuth2 token of each relay that uses one (waiting at
+/// most a little while: a token endpoint that is down is a configuration
+/// fault, said at error level, and mail waits until a token comes), then
+/// keeps them renewed in the background.
+async fn start_oauth2(transport: &crate::smtp::Transport, cancel: &CancellationToken) {
+    for tokens in transport.oauth2() {
+        match tokio::time::timeout(Duration::from_secs(30), tokens.fetch()).await {
+            Ok(Ok(lifetime)) => tracing::info!(
+                provider = tokens.provider(),
+                lifetime_s = lifetime.as_secs(),
+                "oauth2 token obtained"
+            ),
+            Ok(Err(e)) => tracing::error!(
+                provider = tokens.provider(),
+                error = %e,
+                "configuration fault: no oauth2 token: mail waits until one comes"
+            ),
+            Err(_) => tracing::error!(
+                provider = tokens.provider(),
+                "configuration fault: the oauth2 token endpoint did not answer: mail waits until a token comes"
+            ),
+        }
+        tokens.spawn_renewal(cancel.clone());
+    }
+}
+
 /// Records what the inbound listener receives; `451` while it cannot.
 struct ListenerSink(Recorder);
 
@@ -199,6 +225,7 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
     if settings.database.migrate {
         store.migrate().await?;
     }
+    start_oauth2(&transport, &cancel).await;
     let transport = Arc::new(transport);
     let worker = Worker::new(
         store.clone(),

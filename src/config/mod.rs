@@ -144,6 +144,16 @@ impl Settings {
         if self.database.look_interval < Duration::from_millis(1) {
             return Err(invalid("database.look_interval", "must be at least 1ms"));
         }
+        if let Some(oauth2) = &self.transport.oauth2 {
+            if self.transport.password.is_some() || self.transport.password_file.is_some() {
+                return Err(invalid(
+                    "transport.oauth2",
+                    "set either a password or oauth2, not both",
+                ));
+            }
+            // Reads the secrets now, so that a missing one stops the start.
+            oauth2.tokens("transport.oauth2", self.transport.username.as_deref())?;
+        }
         if self.transport.password.is_some() && self.transport.password_file.is_some() {
             return Err(invalid(
                 "transport.password_file",

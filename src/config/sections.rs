@@ -142,6 +142,99 @@ pub struct TransportSettings {
     /// without `?tls=required`. Default false: such a relay is a
     /// configuration fault (`check` fails, mail waits unspent).
     pub allow_plaintext_auth: bool,
+    /// SASL XOAUTH2 instead of a password (DESIGN §13).
+    pub oauth2: Option<OAuth2Settings>,
+}
+
+/// `transport.oauth2` (and a route's `oauth2`): where XOAUTH2 tokens come
+/// from.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct OAuth2Settings {
+    /// `microsoft`, `google` or `command`.
+    pub provider: String,
+    /// microsoft: the directory (tenant) and the application.
+    pub tenant_id: Option<String>,
+    pub client_id: Option<String>,
+    pub client_secret_file: Option<PathBuf>,
+    /// google: the service account's JSON key file and the mailbox it acts
+    /// for.
+    pub service_account_file: Option<PathBuf>,
+    pub subject: Option<String>,
+    /// command: run by `/bin/sh -c`; prints a token and, optionally, its
+    /// lifetime in seconds.
+    pub token_command: Option<String>,
+    /// The provider's token endpoint, for national clouds and tests.
+    pub token_url: Option<String>,
+}
+
+impl OAuth2Settings {
+    /// The token source these settings name; `username` is the XOAUTH2
+    /// `user=` (for `google`, `subject` when it is not set).
+    pub fn tokens(
+        &self,
+        key: &'static str,
+        username: Option<&str>,
+    ) -> Result<crate::smtp::oauth2::Tokens> {
+        use crate::smtp::oauth2::{Provider, ServiceAccount, Tokens};
+        let invalid = |reason: String| ConfigError::Invalid { key, reason };
+        let need = |v: &Option<String>, name: &str| {
+            v.clone()
+                .filter(|v| !v.trim().is_empty())
+                .ok_or_else(|| invalid(format!("provider {} needs {name}", self.provider)))
+        };
+        let provider = match self.provider.as_str() {
+            "microsoft" => Provider::Microsoft {
+                tenant_id: need(&self.tenant_id, "tenant_id")?,
+                client_id: need(&self.client_id, "client_id")?,
+                client_secret: match &self.client_secret_file {
+                    Some(path) => read_credential(key, path)?,
+                    None => {
+                        return Err(invalid(
+                            "provider microsoft needs client_secret_file".into(),
+                        ))
+                    }
+                },
+            },
+            "google" => {
+                let path = self
+                    .service_account_file
+                    .as_ref()
+                    .ok_or_else(|| invalid("provider google needs service_account_file".into()))?;
+                let json = read_credential(key, path)?;
+                let account: ServiceAccount = serde_json::from_str(json.expose_secret())
+                    .map_err(|e| invalid(format!("service_account_file: {e}")))?;
+                Provider::Google {
+                    private_key: std::sync::Arc::new(
+                        account
+                            .key()
+                            .map_err(|e| invalid(format!("service_account_file: {e}")))?,
+                    ),
+                    client_email: account.client_email,
+                    subject: need(&self.subject, "subject")?,
+                    token_uri: account.token_uri,
+                }
+            }
+            "command" => Provider::Command {
+                command: need(&self.token_command, "token_command")?,
+            },
+            other => {
+                return Err(invalid(format!(
+                    "provider `{other}`: use microsoft, google or command"
+                )))
+            }
+        };
+        let user = match (username, &provider) {
+            (Some(user), _) => user.to_string(),
+            (None, Provider::Google { subject, .. }) => subject.clone(),
+            (None, _) => {
+                return Err(invalid(
+                    "XOAUTH2 needs the sending mailbox as the username".into(),
+                ))
+            }
+        };
+        Tokens::new(provider, user, self.token_url.clone()).map_err(invalid)
+    }
 }
 
 impl Default for TransportSettings {
@@ -163,6 +256,7 @@ impl Default for TransportSettings {
             probe_interval: Duration::from_secs(30),
             redirect_to: None,
             allow_plaintext_auth: false,
+            oauth2: None,
         }
     }
 }
@@ -419,7 +513,7 @@ impl TransportSettings {
             )
         };
         let mut refused = Vec::new();
-        if self.username.is_some() && plain(&self.url) {
+        if (self.username.is_some() || self.oauth2.is_some()) && plain(&self.url) {
             refused.push("transport.url");
         }
         if let Some(url) = &self.fallback_url {
@@ -456,11 +550,12 @@ impl TransportSettings {
             key: "transport.url",
             reason: e.to_string(),
         };
-        let options = |url: &str, username: Option<String>, password| {
+        let options = |url: &str, username: Option<String>, password, oauth2| {
             Ok(RelayOptions {
                 kind: TransportKind::parse(url).map_err(|e| invalid(e.into()))?,
                 username,
                 password,
+                oauth2,
                 hello: hello.to_string(),
                 timeout: self.timeout,
                 data_timeout: self.data_timeout,
@@ -469,16 +564,31 @@ impl TransportSettings {
                 allow_plaintext_auth: self.allow_plaintext_auth,
             })
         };
-        let mut transport =
-            Transport::new(options(&self.url, self.username.clone(), self.password()?)?)
-                .map_err(invalid)?;
+        let oauth2 = match &self.oauth2 {
+            Some(o) => Some(std::sync::Arc::new(
+                o.tokens("transport.oauth2", self.username.as_deref())?,
+            )),
+            None => None,
+        };
+        let mut transport = Transport::new(options(
+            &self.url,
+            self.username.clone(),
+            self.password()?,
+            oauth2,
+        )?)
+        .map_err(invalid)?;
         if let Some(url) = &self.fallback_url {
             let password = match &self.fallback_password_file {
                 Some(path) => Some(read_credential("transport.fallback_password_file", path)?),
                 None => None,
             };
             transport = transport
-                .with_fallback(options(url, self.fallback_username.clone(), password)?)
+                .with_fallback(options(
+                    url,
+                    self.fallback_username.clone(),
+                    password,
+                    None,
+                )?)
                 .map_err(|e| ConfigError::Invalid {
                     key: "transport.fallback_url",
                     reason: e.to_string(),

@@ -13,6 +13,7 @@
 
 mod error;
 mod file;
+pub mod oauth2;
 mod session;
 mod stream;
 mod transaction;
@@ -38,7 +39,7 @@ pub use session::Session;
 pub use url::{is_loopback, TlsMode, TransportKind, UrlError};
 
 use file::FileTransport;
-use session::SmtpRelay;
+use session::{Auth, SmtpRelay};
 use transaction::Limits;
 
 /// One message as the relay gets it: the row's id (it also names the file of
@@ -69,6 +70,8 @@ pub struct RelayOptions {
     /// Send AUTH over a connection without TLS (`transport.allow_plaintext_auth`);
     /// otherwise such a relay is refused before the password leaves.
     pub allow_plaintext_auth: bool,
+    /// SASL XOAUTH2 with these tokens instead of a password.
+    pub oauth2: Option<std::sync::Arc<oauth2::Tokens>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -311,6 +314,20 @@ impl Transport {
         }
     }
 
+    /// The OAuth2 token sources of its relays, to keep renewed.
+    pub fn oauth2(&self) -> Vec<std::sync::Arc<oauth2::Tokens>> {
+        match &self.kind {
+            Kind::Smtp(relays) => std::iter::once(&relays.primary)
+                .chain(&relays.fallback)
+                .filter_map(|r| match &r.auth {
+                    Auth::OAuth2(tokens) => Some(tokens.clone()),
+                    _ => None,
+                })
+                .collect(),
+            Kind::File(_) => Vec::new(),
+        }
+    }
+
     /// Closes idle connections politely.
     pub async fn close(&self) {
         if let Kind::Smtp(relays) = &self.kind {
@@ -341,12 +358,13 @@ impl SmtpRelay {
                     .map_err(|e| TransportError::Tls(e.to_string()))?,
             ),
         };
-        let credentials = match (options.username, options.password) {
-            (Some(user), Some(pass)) => {
-                Some(Credentials::new(user, pass.expose_secret().to_string()))
+        let auth = match (options.oauth2, options.username, options.password) {
+            (Some(tokens), _, _) => Auth::OAuth2(tokens),
+            (None, Some(user), Some(pass)) => {
+                Auth::Password(Credentials::new(user, pass.expose_secret().to_string()))
             }
-            (Some(_), None) => return Err(TransportError::NoPassword),
-            (None, _) => None,
+            (None, Some(_), None) => return Err(TransportError::NoPassword),
+            (None, None, _) => Auth::None,
         };
         Ok(SmtpRelay {
             host,
@@ -354,7 +372,7 @@ impl SmtpRelay {
             tls,
             tls_parameters,
             plaintext_auth: options.allow_plaintext_auth,
-            credentials,
+            auth,
             hello: ClientId::Domain(options.hello),
             limits: Limits {
                 command: options.timeout,

@@ -14,6 +14,7 @@ use lettre::transport::smtp::{
     commands::{Ehlo, Noop, Rset},
     extension::ClientId,
 };
+use secrecy::ExposeSecret;
 use tokio::net::TcpStream;
 
 use super::{
@@ -75,13 +76,22 @@ pub(super) struct Connection {
     pub(super) pipelining: bool,
 }
 
+/// How a relay's sessions log in.
+pub(super) enum Auth {
+    None,
+    /// PLAIN or LOGIN with a password.
+    Password(Credentials),
+    /// XOAUTH2 with the current token (DESIGN §13).
+    OAuth2(std::sync::Arc<super::oauth2::Tokens>),
+}
+
 /// An SMTP relay, and its idle sessions.
 pub struct SmtpRelay {
     pub(super) host: String,
     pub(super) port: u16,
     pub(super) tls: TlsMode,
     pub(super) tls_parameters: Option<TlsParameters>,
-    pub(super) credentials: Option<Credentials>,
+    pub(super) auth: Auth,
     /// AUTH may go over a connection without TLS (`transport.allow_plaintext_auth`).
     pub(super) plaintext_auth: bool,
     pub(super) hello: ClientId,
@@ -197,7 +207,7 @@ impl SmtpRelay {
     pub(super) async fn connect(&self, stage: &mut Stage) -> Result<Connection, SendError> {
         let addr = format!("{}:{}", self.host, self.port);
         let limit = self.limits.command;
-        if self.credentials.is_some() && self.tls == TlsMode::None && !self.plaintext_auth {
+        if !matches!(self.auth, Auth::None) && self.tls == TlsMode::None && !self.plaintext_auth {
             // Decided by the configuration alone: refused before any byte
             // goes out, so the password never travels in clear. An AUTH
             // failure with no reply needs an operator: mail waits, unspent.
@@ -270,12 +280,38 @@ impl SmtpRelay {
         let pipelining = ehlo
             .message()
             .any(|line| line.eq_ignore_ascii_case("PIPELINING"));
-        if let Some(credentials) = &self.credentials {
-            *stage = Stage::Auth;
-            let mechanisms = [Mechanism::Plain, Mechanism::Login];
-            if let Err(e) = timed(limit, conn.auth(&mechanisms, credentials)).await {
-                self.hang_up(conn).await;
-                return Err(e.at(Stage::Auth));
+        match &self.auth {
+            Auth::None => {}
+            Auth::Password(credentials) => {
+                *stage = Stage::Auth;
+                let mechanisms = [Mechanism::Plain, Mechanism::Login];
+                if let Err(e) = timed(limit, conn.auth(&mechanisms, credentials)).await {
+                    self.hang_up(conn).await;
+                    return Err(e.at(Stage::Auth));
+                }
+            }
+            Auth::OAuth2(tokens) => {
+                *stage = Stage::Auth;
+                let token = match tokens.current() {
+                    Ok(token) => token,
+                    Err(e) => {
+                        self.hang_up(conn).await;
+                        // Nothing was sent: a configuration fault, mail
+                        // waits unspent until a token comes.
+                        return Err(SendError::broke(
+                            Stage::Auth,
+                            format!("not sent: oauth2 ({}): {e}", tokens.provider()),
+                        ));
+                    }
+                };
+                let credentials =
+                    Credentials::new(tokens.user().to_string(), token.expose_secret().to_string());
+                if let Err(e) = timed(limit, conn.auth(&[Mechanism::Xoauth2], &credentials)).await {
+                    // The relay refused this token: renew it once, now.
+                    tokens.rejected(&token);
+                    self.hang_up(conn).await;
+                    return Err(e.at(Stage::Auth));
+                }
             }
         }
         Ok(Connection {
