@@ -40,6 +40,8 @@ const SIGNED: &[&str] = &[
     "content-transfer-encoding",
     "list-unsubscribe",
     "list-unsubscribe-post",
+    // Gmail's feedback loop reads it only when it is signed.
+    "feedback-id",
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -55,6 +57,33 @@ pub enum KeyError {
 enum Key {
     Rsa(RsaKeyPair),
     Ed25519(Ed25519KeyPair),
+}
+
+/// Every configured key (`[[dkim]]`, and each route's): a mail is signed
+/// with the key of the most specific domain at or above its From domain.
+#[derive(Debug, Default)]
+pub struct Signers(Vec<Signer>);
+
+impl Signers {
+    pub fn new(mut signers: Vec<Signer>) -> Signers {
+        // The longest domain first: the first that covers is the most
+        // specific.
+        signers.sort_by_key(|s| std::cmp::Reverse(s.domain.len()));
+        Signers(signers)
+    }
+
+    /// The key for a mail from `from_domain`, if any covers it.
+    pub fn pick(&self, from_domain: &str) -> Option<&Signer> {
+        self.0.iter().find(|s| s.covers(from_domain))
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Signer> {
+        self.0.iter()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// A loaded key and the domain it signs for.
@@ -376,6 +405,23 @@ mod tests {
         let fields = header_fields(b"From: a\r\nSubject: Hi\r\n there\r\n");
         assert_eq!(fields[1].name, "subject");
         assert_eq!(fields[1].value, b" Hi\r\n there");
+    }
+
+    #[test]
+    fn the_most_specific_key_signs() {
+        let signers = Signers::new(vec![
+            Signer::new("example.com", "outer", ED25519_PEM).unwrap(),
+            Signer::new("shop.example.com", "shop", ED25519_PEM).unwrap(),
+            Signer::new("other.org", "other", ED25519_PEM).unwrap(),
+        ]);
+        let pick = |d: &str| signers.pick(d).map(|s| s.selector.clone());
+        assert_eq!(pick("shop.example.com").as_deref(), Some("shop"));
+        assert_eq!(pick("eu.shop.example.com").as_deref(), Some("shop"));
+        assert_eq!(pick("example.com").as_deref(), Some("outer"));
+        assert_eq!(pick("support.example.com").as_deref(), Some("outer"));
+        assert_eq!(pick("other.org").as_deref(), Some("other"));
+        assert_eq!(pick("example.net"), None);
+        assert_eq!(pick("notexample.com"), None);
     }
 
     /// Linear in the message: a megabyte of subject and body sign at once.

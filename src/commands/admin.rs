@@ -218,7 +218,7 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
         println!("defaults.from_address: not set: rows without a sender wait until it is");
         problems.push("defaults.from_address");
     }
-    if let Some(signer) = &defaults.dkim {
+    for signer in defaults.dkim.iter().flat_map(|s| s.iter()) {
         println!(
             "dkim: signs mail from {} and its subdomains, {}",
             signer.domain(),

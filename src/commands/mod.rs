@@ -135,11 +135,18 @@ pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
         from_name: settings.defaults.from_name.clone(),
         max_message_size: settings.transport.max_message_size.0,
         max_recipients: settings.transport.max_recipients,
-        dkim: settings
-            .dkim
-            .signer()
-            .map_err(|e| CommandError::Usage(e.to_string()))?
-            .map(std::sync::Arc::new),
+        dkim: {
+            let mut signers = Vec::new();
+            for key in settings.dkim.keys() {
+                if let Some(signer) = key
+                    .signer()
+                    .map_err(|e| CommandError::Usage(e.to_string()))?
+                {
+                    signers.push(signer);
+                }
+            }
+            (!signers.is_empty()).then(|| std::sync::Arc::new(crate::dkim::Signers::new(signers)))
+        },
         bounce: settings
             .bounce
             .verp()

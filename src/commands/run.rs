@@ -199,7 +199,7 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
     }
     let defaults = message_defaults(settings)?;
     let faults = config_faults(settings, defaults.from_address.is_none());
-    if let Some(signer) = &defaults.dkim {
+    for signer in defaults.dkim.iter().flat_map(|s| s.iter()) {
         tracing::info!(
             dkim_domain = signer.domain(),
             dkim = signer.describe(),

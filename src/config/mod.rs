@@ -52,7 +52,7 @@ pub struct Settings {
     pub retention: RetentionSettings,
     pub log: LogSettings,
     pub metrics: MetricsSettings,
-    pub dkim: DkimSettings,
+    pub dkim: DkimKeys,
     pub console: ConsoleSettings,
     pub bounce: BounceSettings,
     pub inbound: InboundSettings,
@@ -230,29 +230,8 @@ impl Settings {
                 return Err(invalid("defaults.from_name", "contains CR or LF"));
             }
         }
-        let d = &self.dkim;
-        let set = [
-            d.domain.is_some(),
-            d.selector.is_some(),
-            d.private_key_file.is_some(),
-        ];
-        if set.contains(&true) && set.contains(&false) {
-            return Err(invalid(
-                "dkim.private_key_file",
-                "set dkim.domain, dkim.selector and dkim.private_key_file together",
-            ));
-        }
-        if let Some(selector) = &d.selector {
-            let valid = !selector.is_empty()
-                && selector.split('.').all(|part| {
-                    !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
-                });
-            if !valid {
-                return Err(invalid(
-                    "dkim.selector",
-                    "not a DNS label such as `mail2026`",
-                ));
-            }
+        for key in self.dkim.keys() {
+            key.validate()?;
         }
         if let Some(listen) = &self.metrics.listen {
             listen
@@ -459,6 +438,40 @@ mod tests {
             err.contains("database.look_interval: must be at least 1ms"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn dkim_takes_one_key_or_several() {
+        let dir = std::env::temp_dir().join(format!("tm-dkim-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("t.toml");
+        std::fs::write(
+            &file,
+            "[[dkim]]\ndomain = \"shop.example\"\nselector = \"s1\"\nprivate_key_file = \"/k1\"\n\
+             [[dkim]]\ndomain = \"example.org\"\nselector = \"s2\"\nprivate_key_file = \"/k2\"\n",
+        )
+        .unwrap();
+        let s = Settings::load_from(Some(&file), env(&[])).unwrap();
+        let domains: Vec<_> = s
+            .dkim
+            .keys()
+            .iter()
+            .map(|k| k.domain.clone().unwrap())
+            .collect();
+        assert_eq!(domains, ["shop.example", "example.org"]);
+        // The single table, as before, from the file or the environment.
+        let s = Settings::load_from(
+            None,
+            env(&[
+                ("TABLEMAIL__DKIM__DOMAIN", "example.com"),
+                ("TABLEMAIL__DKIM__SELECTOR", "s3"),
+                ("TABLEMAIL__DKIM__PRIVATE_KEY_FILE", "/k3"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!(s.dkim.keys().len(), 1);
+        assert_eq!(s.dkim.keys()[0].selector.as_deref(), Some("s3"));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -15,8 +15,8 @@ use crate::{
 
 use super::{files::read_credential, ConfigError, Result};
 
-/// DKIM signing of mails from `domain` (and below it); off unless all three
-/// keys are set.
+/// One DKIM key: signs mails from `domain` (and below it); off unless all
+/// three keys are set.
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct DkimSettings {
@@ -42,6 +42,61 @@ impl DkimSettings {
                 key: "dkim.private_key_file",
                 reason: e.to_string(),
             })
+    }
+
+    /// Every key set together, the selector a DNS name.
+    pub(super) fn validate(&self) -> Result<()> {
+        let invalid = |key, reason: &str| ConfigError::Invalid {
+            key,
+            reason: reason.into(),
+        };
+        let set = [
+            self.domain.is_some(),
+            self.selector.is_some(),
+            self.private_key_file.is_some(),
+        ];
+        if set.contains(&true) && set.contains(&false) {
+            return Err(invalid(
+                "dkim.private_key_file",
+                "set dkim.domain, dkim.selector and dkim.private_key_file together",
+            ));
+        }
+        if let Some(selector) = &self.selector {
+            let valid = !selector.is_empty()
+                && selector.split('.').all(|part| {
+                    !part.is_empty() && part.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                });
+            if !valid {
+                return Err(invalid(
+                    "dkim.selector",
+                    "not a DNS label such as `mail2026`",
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[dkim]` (one key, as before) or `[[dkim]]` (several): DESIGN §13.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum DkimKeys {
+    One(DkimSettings),
+    Many(Vec<DkimSettings>),
+}
+
+impl Default for DkimKeys {
+    fn default() -> Self {
+        DkimKeys::One(DkimSettings::default())
+    }
+}
+
+impl DkimKeys {
+    pub fn keys(&self) -> &[DkimSettings] {
+        match self {
+            DkimKeys::One(one) => std::slice::from_ref(one),
+            DkimKeys::Many(many) => many,
+        }
     }
 }
 

@@ -78,8 +78,8 @@ pub struct MessageDefaults {
     pub max_message_size: u64,
     /// Most recipients (to, cc and bcc together) of one mail.
     pub max_recipients: usize,
-    /// Signs mails from its domain (`dkim.*`).
-    pub dkim: Option<std::sync::Arc<crate::dkim::Signer>>,
+    /// The DKIM keys (`[[dkim]]`, routes' keys); `None`: nothing is signed.
+    pub dkim: Option<std::sync::Arc<crate::dkim::Signers>>,
     /// The VERP envelope sender (`bounce.*`, DESIGN §12): every mail leaves
     /// with `MAIL FROM:<b-<id>-<tag>@<bounce.domain>>`.
     pub bounce: Option<std::sync::Arc<crate::feedback::verp::Verp>>,
@@ -501,7 +501,7 @@ pub fn prepare(mail: &Draft<'_>, defaults: &MessageDefaults) -> Result<PreparedM
     let signer = defaults
         .dkim
         .as_ref()
-        .filter(|signer| signer.covers(from_address.domain()));
+        .and_then(|signers| signers.pick(from_address.domain()));
     if let Some(signer) = signer {
         // The signature goes in front: one copy of the message, in the
         // signer, against an RSA signature's millisecond.
