@@ -253,12 +253,16 @@ async fn a_postfix_pipe_transport_runs_ingest() {
     );
     // Postfix logs the pipe's delivery once `ingest` has exited, after
     // its commit.
-    eventually("Postfix's delivery to ingest", Duration::from_secs(30), || async {
-        postfix
-            .log()
-            .lines()
-            .any(|l| l.contains("relay=tablemail") && l.contains("status=sent"))
-    })
+    eventually(
+        "Postfix's delivery to ingest",
+        Duration::from_secs(30),
+        || async {
+            postfix
+                .log()
+                .lines()
+                .any(|l| l.contains("relay=tablemail") && l.contains("status=sent"))
+        },
+    )
     .await;
     drop(daemon);
 }
