@@ -120,7 +120,7 @@ pub enum SuppressCommand {
 #[derive(Debug, Args)]
 pub struct EnqueueArgs {
     /// Read one JSON object per line from stdin, with the column names as keys.
-    #[arg(long, conflicts_with_all = ["to", "subject", "body", "html", "cc", "bcc", "from", "from_name", "reply_to", "priority", "send_at", "dedupe_key", "header", "attach", "inline"])]
+    #[arg(long, conflicts_with_all = ["to", "subject", "body", "html", "cc", "bcc", "from", "from_name", "reply_to", "priority", "send_at", "dedupe_key", "header", "attach", "inline", "route"])]
     pub jsonl: bool,
     /// Recipients, comma separated.
     #[arg(long, required_unless_present = "jsonl")]
@@ -152,6 +152,9 @@ pub struct EnqueueArgs {
     pub send_at: Option<String>,
     #[arg(long = "dedupe-key")]
     pub dedupe_key: Option<String>,
+    /// The route it takes (`[[routes]]` name); default: its From domain's.
+    #[arg(long)]
+    pub route: Option<String>,
     /// Extra header, NAME:VALUE; repeatable.
     #[arg(long, value_name = "NAME:VALUE")]
     pub header: Vec<String>,

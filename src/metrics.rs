@@ -53,9 +53,24 @@ impl Outcome {
     ];
 }
 
-/// Counters the worker updates as it writes outcomes, and what it knows of
-/// the relay.
+impl Default for Metrics {
+    /// One route, the default.
+    fn default() -> Self {
+        Metrics::new(&["default"])
+    }
+}
+
+/// What is known of one route's relay.
 #[derive(Debug, Default)]
+struct RouteMetrics {
+    label: String,
+    trouble: std::sync::Mutex<Option<String>>,
+    sent_through: [AtomicU64; 2],
+}
+
+/// Counters the worker updates as it writes outcomes, and what it knows of
+/// the relays.
+#[derive(Debug)]
 pub struct Metrics {
     /// Per [`Outcome`], in the order of `Outcome::ALL`.
     outcomes: [AtomicU64; 6],
@@ -64,10 +79,10 @@ pub struct Metrics {
     latency_buckets: [AtomicU64; LATENCY_BUCKETS.len() + 1],
     latency_sum_us: AtomicU64,
     latency_count: AtomicU64,
-    /// Why the relay is unavailable; `None` while it works.
-    relay_trouble: std::sync::Mutex<Option<String>>,
-    /// Mails the primary relay and the fallback took.
-    sent_through: [AtomicU64; 2],
+    /// Each route's label (the default route's is `default`), why its relay
+    /// is unavailable (`None` while it works), and the mails its primary and
+    /// its fallback took.
+    routes: Vec<RouteMetrics>,
     /// Attachment bytes (as stored) of the mails written as sent.
     attachment_bytes: AtomicU64,
     /// Configuration faults found at start (no sender, AUTH that would go
@@ -119,25 +134,80 @@ impl Metrics {
         self.attachment_bytes.load(Ordering::Relaxed)
     }
 
-    /// A mail went through `relay`.
-    pub fn sent_through(&self, relay: Role) {
-        let i = usize::from(relay == Role::Fallback);
-        self.sent_through[i].fetch_add(1, Ordering::Relaxed);
+    /// Counters for these routes (labels), the default route first.
+    pub fn new(routes: &[&str]) -> Metrics {
+        Metrics {
+            outcomes: Default::default(),
+            lock_lost: AtomicU64::new(0),
+            latency_buckets: Default::default(),
+            latency_sum_us: AtomicU64::new(0),
+            latency_count: AtomicU64::new(0),
+            routes: routes
+                .iter()
+                .map(|label| RouteMetrics {
+                    label: label.to_string(),
+                    ..RouteMetrics::default()
+                })
+                .collect(),
+            attachment_bytes: AtomicU64::new(0),
+            config_faults: Default::default(),
+            suppressed: AtomicU64::new(0),
+            feedback: Default::default(),
+        }
     }
 
-    /// The relay was found unavailable.
-    pub fn relay_down(&self, reason: &str) {
-        *self.relay_trouble.lock().unwrap() = Some(reason.to_string());
+    fn route(&self, label: &str) -> Option<&RouteMetrics> {
+        self.routes.iter().find(|r| r.label == label)
     }
 
-    /// A mail went through.
-    pub fn relay_up(&self) {
-        *self.relay_trouble.lock().unwrap() = None;
+    /// A mail of route `route` went through `relay`.
+    pub fn sent_through(&self, route: &str, relay: Role) {
+        if let Some(r) = self.route(route) {
+            let i = usize::from(relay == Role::Fallback);
+            r.sent_through[i].fetch_add(1, Ordering::Relaxed);
+        }
     }
 
-    /// Why the relay is unavailable, if it is.
+    /// A route's relay was found unavailable.
+    pub fn route_down(&self, route: &str, reason: &str) {
+        if let Some(r) = self.route(route) {
+            *r.trouble.lock().unwrap() = Some(reason.to_string());
+        }
+    }
+
+    /// A route's relay took a mail, or answered a probe.
+    pub fn route_up(&self, route: &str) {
+        if let Some(r) = self.route(route) {
+            *r.trouble.lock().unwrap() = None;
+        }
+    }
+
+    /// Each route's label and why its relay is unavailable, if it is.
+    pub fn route_troubles(&self) -> Vec<(String, Option<String>)> {
+        self.routes
+            .iter()
+            .map(|r| (r.label.clone(), r.trouble.lock().unwrap().clone()))
+            .collect()
+    }
+
+    /// Why a relay is unavailable, if one is: the reason alone with one
+    /// route, each route's otherwise.
     pub fn relay_trouble(&self) -> Option<String> {
-        self.relay_trouble.lock().unwrap().clone()
+        let down: Vec<(String, String)> = self
+            .route_troubles()
+            .into_iter()
+            .filter_map(|(label, trouble)| trouble.map(|t| (label, t)))
+            .collect();
+        match (self.routes.len(), down.as_slice()) {
+            (_, []) => None,
+            (1, [(_, reason)]) => Some(reason.clone()),
+            _ => Some(
+                down.iter()
+                    .map(|(label, reason)| format!("route {label}: {reason}"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            ),
+        }
     }
 
     /// A configuration fault that keeps mail waiting: `/healthz` says 503
@@ -181,16 +251,19 @@ impl Metrics {
         out.push_str("# HELP tablemail_lock_lost_total Outcomes not written because another worker had taken the row.\n");
         out.push_str("# TYPE tablemail_lock_lost_total counter\n");
         let _ = writeln!(out, "tablemail_lock_lost_total {}", get(&self.lock_lost));
-        out.push_str("# HELP tablemail_relay_sent_total Mails each relay took.\n");
+        out.push_str("# HELP tablemail_relay_sent_total Mails each route's relay took.\n");
         out.push_str("# TYPE tablemail_relay_sent_total counter\n");
-        for relay in [Role::Primary, Role::Fallback] {
-            let i = usize::from(relay == Role::Fallback);
-            let _ = writeln!(
-                out,
-                "tablemail_relay_sent_total{{relay=\"{}\"}} {}",
-                relay.as_str(),
-                get(&self.sent_through[i])
-            );
+        for route in &self.routes {
+            for relay in [Role::Primary, Role::Fallback] {
+                let i = usize::from(relay == Role::Fallback);
+                let _ = writeln!(
+                    out,
+                    "tablemail_relay_sent_total{{route=\"{}\",relay=\"{}\"}} {}",
+                    route.label,
+                    relay.as_str(),
+                    get(&route.sent_through[i])
+                );
+            }
         }
         out.push_str("# HELP tablemail_attachment_bytes_sent_total Attachment bytes (before encoding) of the mails sent.\n");
         out.push_str("# TYPE tablemail_attachment_bytes_sent_total counter\n");
@@ -281,14 +354,16 @@ pub fn exposition(
     let mut out = String::with_capacity(4096);
     metrics.render_counters(&mut out);
     out.push_str(
-        "# HELP tablemail_relay_up 1 unless the relay was found unavailable and not yet back.\n",
+        "# HELP tablemail_relay_up 1 unless the route's relay was found unavailable and not yet back.\n",
     );
     out.push_str("# TYPE tablemail_relay_up gauge\n");
-    let _ = writeln!(
-        out,
-        "tablemail_relay_up {}",
-        u8::from(metrics.relay_trouble().is_none())
-    );
+    for (label, trouble) in metrics.route_troubles() {
+        let _ = writeln!(
+            out,
+            "tablemail_relay_up{{route=\"{label}\"}} {}",
+            u8::from(trouble.is_none())
+        );
+    }
     out.push_str("# HELP tablemail_database_up 1 if the database answered the last refresh of the queue's figures.\n");
     out.push_str("# TYPE tablemail_database_up gauge\n");
     let _ = writeln!(out, "tablemail_database_up {}", u8::from(database));

@@ -111,7 +111,8 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
             "retried_at",
             "bounced_at",
             "bypass_suppression",
-            "relay_queue_id"
+            "relay_queue_id",
+            "route"
         ]
     );
     // The history, attachments and daemons live in tables of their own.

@@ -9,7 +9,7 @@ use crate::{
     telemetry::redact_addresses,
 };
 
-use super::{build_transport, connect, message_defaults, CommandError, Result};
+use super::{build_routes, build_transport, connect, message_defaults, CommandError, Result};
 
 pub(super) async fn migrate(settings: &Settings) -> Result<()> {
     let store = connect(settings).await?;
@@ -142,7 +142,7 @@ fn webhooks(settings: &Settings) {
 }
 
 pub(super) async fn check(settings: &Settings) -> Result<()> {
-    let mut problems = Vec::new();
+    let mut problems: Vec<String> = Vec::new();
     let transport = build_transport(settings)?;
     let defaults = message_defaults(settings)?;
     println!("configuration: ok");
@@ -161,47 +161,76 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
                     "database: {} reachable, but mail_queue is not usable: {e}",
                     store.backend()
                 );
-                problems.push("mail_queue (run `tablemail migrate`)");
+                problems.push("mail_queue (run `tablemail migrate`)".to_string());
             }
         },
         Err(e) => {
             println!("database: unreachable: {e}");
-            problems.push("database");
+            problems.push("database".to_string());
         }
     }
-    for tokens in transport.oauth2() {
-        match tokens.fetch().await {
-            Ok(lifetime) => println!(
-                "transport.oauth2: {} token obtained for {}, valid for {}s",
-                tokens.provider(),
-                redact_addresses(tokens.user()),
-                lifetime.as_secs()
+    let routes = build_routes(settings)?;
+    for route in &routes {
+        // `transport.url` for the default route; the route's name otherwise.
+        let (name, url_key, fallback_key) = match &route.name {
+            None => (
+                "transport".to_string(),
+                "transport.url".to_string(),
+                "transport.fallback_url".to_string(),
             ),
-            Err(e) => {
-                println!("transport.oauth2: no token: {e}");
-                problems.push("transport.oauth2 (token)");
+            Some(name) => (
+                format!("route {name}"),
+                format!("route {name}"),
+                format!("route {name} (fallback)"),
+            ),
+        };
+        for tokens in route.transport.oauth2() {
+            match tokens.fetch().await {
+                Ok(lifetime) => println!(
+                    "{name}: oauth2: {} token obtained for {}, valid for {}s",
+                    tokens.provider(),
+                    redact_addresses(tokens.user()),
+                    lifetime.as_secs()
+                ),
+                Err(e) => {
+                    println!("{name}: oauth2: no token: {e}");
+                    problems.push(format!("{name}.oauth2 (token)"));
+                }
             }
         }
-    }
-    let mut relays = vec![(Role::Primary, "transport.url")];
-    if transport.has_fallback() {
-        relays.push((Role::Fallback, "transport.fallback_url"));
-    }
-    let mut reachable = false;
-    for (role, key) in relays {
-        match transport.probe(role).await {
-            Ok(info) => {
-                reachable = true;
-                println!("relay ({key}): ok: {info}");
+        let mut relays = vec![(Role::Primary, url_key)];
+        if route.transport.has_fallback() {
+            relays.push((Role::Fallback, fallback_key));
+        }
+        let mut reachable = false;
+        for (role, key) in relays {
+            match route.transport.probe(role).await {
+                Ok(info) => {
+                    reachable = true;
+                    println!("relay ({key}): ok: {info}");
+                }
+                Err(e) => println!(
+                    "relay ({key}): unavailable: {}",
+                    redact_addresses(&e.to_string())
+                ),
             }
-            Err(e) => println!(
-                "relay ({key}): unavailable: {}",
-                redact_addresses(&e.to_string())
-            ),
+        }
+        if !reachable {
+            problems.push(match &route.name {
+                None => "relay".to_string(),
+                Some(n) => format!("route {n}"),
+            });
         }
     }
-    if !reachable {
-        problems.push("relay");
+    match super::unknown_routes(settings, &store).await {
+        Ok(unknown) if !unknown.is_empty() => {
+            println!(
+                "routes: queued rows name routes no configuration has, and wait: {}",
+                unknown.join(", ")
+            );
+            problems.push("routes".to_string());
+        }
+        _ => {}
     }
     let plaintext = settings.transport.plaintext_auth_refused();
     for key in &plaintext {
@@ -212,11 +241,11 @@ pub(super) async fn check(settings: &Settings) -> Result<()> {
         );
     }
     if !plaintext.is_empty() {
-        problems.push("transport.allow_plaintext_auth");
+        problems.push("transport.allow_plaintext_auth".to_string());
     }
     if transport.outbox().is_none() && settings.defaults.from_address.is_none() {
         println!("defaults.from_address: not set: rows without a sender wait until it is");
-        problems.push("defaults.from_address");
+        problems.push("defaults.from_address".to_string());
     }
     for signer in defaults.dkim.iter().flat_map(|s| s.iter()) {
         println!(

@@ -105,6 +105,7 @@ fn mail_from_flags(args: EnqueueArgs) -> Result<NewMail> {
         priority: args.priority,
         send_at,
         dedupe_key: args.dedupe_key,
+        route: args.route,
         headers: (!headers.is_empty()).then_some(headers),
         attachments,
         ..NewMail::default()

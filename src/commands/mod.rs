@@ -137,7 +137,10 @@ pub fn message_defaults(settings: &Settings) -> Result<MessageDefaults> {
         max_recipients: settings.transport.max_recipients,
         dkim: {
             let mut signers = Vec::new();
-            for key in settings.dkim.keys() {
+            // `[[dkim]]` and each route's key: the most specific domain at
+            // or above a mail's From domain signs it.
+            let routes = settings.routes.iter().filter_map(|r| r.dkim.as_ref());
+            for key in settings.dkim.keys().iter().chain(routes) {
                 if let Some(signer) = key
                     .signer()
                     .map_err(|e| CommandError::Usage(e.to_string()))?
@@ -183,6 +186,43 @@ async fn close_opened() {
 }
 
 /// The transport named by `transport.*`.
+/// A route as the commands build it: its name (`None`: `transport.*`), its
+/// domains and its relay.
+pub struct BuiltRoute {
+    pub name: Option<String>,
+    pub from_domains: Vec<String>,
+    pub transport: Transport,
+}
+
+/// The default route and every `[[routes]]` one, their relays built.
+pub fn build_routes(settings: &Settings) -> Result<Vec<BuiltRoute>> {
+    let mut routes = vec![BuiltRoute {
+        name: None,
+        from_domains: Vec::new(),
+        transport: build_transport(settings)?,
+    }];
+    for route in &settings.routes {
+        let transport = route
+            .transport(&settings.transport)
+            .client(&mail::local_hostname())
+            .map_err(|e| CommandError::Usage(format!("route {}: {e}", route.name)))?;
+        routes.push(BuiltRoute {
+            name: Some(route.name.clone()),
+            from_domains: route.from_domains.clone(),
+            transport,
+        });
+    }
+    Ok(routes)
+}
+
+/// The route names queued rows give that no configuration has.
+pub async fn unknown_routes(settings: &Settings, store: &Arc<dyn Store>) -> Result<Vec<String>> {
+    let mut unknown = store.queued_routes().await?;
+    unknown.retain(|name| !settings.routes.iter().any(|r| &r.name == name));
+    unknown.sort();
+    Ok(unknown)
+}
+
 pub fn build_transport(settings: &Settings) -> Result<Transport> {
     settings
         .transport

@@ -15,10 +15,14 @@ use crate::{
     store::{FeedbackSource, Store},
     systemd,
     telemetry::redact_addresses,
-    worker::{retry, Worker},
+    worker::{
+        retry,
+        route::{Route, Routes},
+        Worker,
+    },
 };
 
-use super::{build_transport, connect, message_defaults, CommandError, Result};
+use super::{connect, message_defaults, CommandError, Result};
 
 /// Waits for the first database round-trip, retrying with backoff; `false`
 /// when cancelled first.
@@ -54,9 +58,21 @@ fn config_faults(settings: &Settings, no_sender: bool) -> Vec<String> {
             "defaults.from_address is not set: rows without a sender wait until it is".to_string(),
         );
     }
-    for key in settings.transport.plaintext_auth_refused() {
+    let routes = settings.routes.iter().flat_map(|r| {
+        r.transport(&settings.transport)
+            .plaintext_auth_refused()
+            .into_iter()
+            .map(move |key| format!("route {}: {key}", r.name))
+    });
+    let refused = settings
+        .transport
+        .plaintext_auth_refused()
+        .into_iter()
+        .map(str::to_string)
+        .chain(routes);
+    for key in refused {
         tracing::error!(
-            relay = key,
+            relay = %key,
             "configuration fault: AUTH without TLS refused (transport.allow_plaintext_auth is false): this relay gets no mail"
         );
         faults.push(format!(
@@ -190,7 +206,8 @@ async fn start_webhooks(
 
 pub(super) async fn run(settings: &Settings) -> Result<()> {
     let cancel = shutdown::on_signal();
-    let transport = build_transport(settings)?;
+    let built = super::build_routes(settings)?;
+    let transport = &built[0].transport;
     if let Some(dir) = transport.outbox() {
         tracing::warn!(
             dir = %dir.display(),
@@ -206,9 +223,21 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
             "DKIM signing mails from the domain and its subdomains"
         );
     }
-    for key in settings.transport.clear_text_relays() {
+    let routes = settings.routes.iter().flat_map(|r| {
+        r.transport(&settings.transport)
+            .clear_text_relays()
+            .into_iter()
+            .map(move |key| format!("route {}: {key}", r.name))
+    });
+    let clear = settings
+        .transport
+        .clear_text_relays()
+        .into_iter()
+        .map(str::to_string)
+        .chain(routes);
+    for key in clear {
         tracing::warn!(
-            relay = key,
+            relay = %key,
             "relay without TLS (tls=none): mail travels in clear to another host"
         );
     }
@@ -225,11 +254,27 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
     if settings.database.migrate {
         store.migrate().await?;
     }
-    start_oauth2(&transport, &cancel).await;
-    let transport = Arc::new(transport);
-    let worker = Worker::new(
+    let mut built = built.into_iter();
+    let default = built.next().expect("the default route");
+    start_oauth2(&default.transport, &cancel).await;
+    let transport = Arc::new(default.transport);
+    let mut named = Vec::new();
+    for route in built {
+        start_oauth2(&route.transport, &cancel).await;
+        tracing::info!(
+            route = route.name.as_deref().unwrap_or_default(),
+            from_domains = %route.from_domains.join(","),
+            "route configured"
+        );
+        named.push(Route::new(
+            route.name,
+            &route.from_domains,
+            Arc::new(route.transport),
+        ));
+    }
+    let worker = Worker::with_routes(
         store.clone(),
-        transport.clone(),
+        Routes::new(transport.clone(), named),
         settings.worker.clone(),
         settings.retention.clone(),
         defaults,
@@ -261,6 +306,12 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
             http::Observed {
                 metrics: worker.metrics(),
                 transport,
+                routes: worker
+                    .routes()
+                    .iter()
+                    .skip(1)
+                    .map(|(_, r)| (r.label().to_string(), r.transport.clone()))
+                    .collect(),
                 snapshots: http::Snapshots::new(),
             },
             snapshot_store,

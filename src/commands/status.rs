@@ -13,7 +13,7 @@ use crate::{
     telemetry::redact_addresses,
 };
 
-use super::{build_transport, connect, CommandError, Result};
+use super::{build_routes, connect, CommandError, Result};
 
 /// What a probe of each configured relay finds now (at most 5 s each):
 /// `(role, reachable, what it said or why not)`.
@@ -56,8 +56,16 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
         );
     }
     let daemons = store.daemons().await?;
-    let transport = build_transport(settings)?;
-    let relays = relays(&transport).await;
+    let routes = build_routes(settings)?;
+    let mut relays = Vec::new();
+    for route in &routes {
+        let label = route.name.clone().unwrap_or_else(|| "default".into());
+        for (role, reachable, detail) in self::relays(&route.transport).await {
+            relays.push((label.clone(), role, reachable, detail));
+        }
+    }
+    let unknown_routes = super::unknown_routes(settings, &store).await?;
+    let transport = &routes[0].transport;
     let redirect = transport
         .redirected_to()
         .map(|to| redact_addresses(to.as_ref()));
@@ -80,9 +88,10 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
             "failures_last_hour": failures.json(),
             "retrying_last_hour": waiting.json(),
             "recent_failures": stats.recent_failures,
-            "relays": relays.iter().map(|(role, reachable, detail)| serde_json::json!({
-                "relay": role.as_str(), "reachable": reachable, "detail": detail,
+            "relays": relays.iter().map(|(route, role, reachable, detail)| serde_json::json!({
+                "route": route, "relay": role.as_str(), "reachable": reachable, "detail": detail,
             })).collect::<Vec<_>>(),
+            "unknown_routes": unknown_routes,
             "redirect_to": redirect,
             "daemons": daemons,
         });
@@ -108,13 +117,26 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
         "sent per second: {:.1} over the last minute, {:.1} over 5 minutes, {:.1} over 15 minutes",
         rates[0].1, rates[1].1, rates[2].1
     );
-    for (role, reachable, detail) in &relays {
+    for (route, role, reachable, detail) in &relays {
         let state = if *reachable {
             "reachable"
         } else {
             "UNAVAILABLE"
         };
-        println!("relay ({}): {state}: {detail}", role.as_str());
+        if routes.len() == 1 {
+            println!("relay ({}): {state}: {detail}", role.as_str());
+        } else {
+            println!(
+                "relay (route {route}, {}): {state}: {detail}",
+                role.as_str()
+            );
+        }
+    }
+    if !unknown_routes.is_empty() {
+        println!(
+            "routes queued rows name but no configuration has (they wait): {}",
+            unknown_routes.join(", ")
+        );
     }
     if let Some(to) = &redirect {
         println!("staging redirect: every mail goes to {to}");

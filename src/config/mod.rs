@@ -58,6 +58,7 @@ pub struct Settings {
     pub inbound: InboundSettings,
     pub suppression: SuppressionSettings,
     pub webhooks: WebhooksSettings,
+    pub routes: Vec<RouteSettings>,
 }
 
 impl Settings {
@@ -233,6 +234,7 @@ impl Settings {
         for key in self.dkim.keys() {
             key.validate()?;
         }
+        self.validate_routes()?;
         if let Some(listen) = &self.metrics.listen {
             listen
                 .parse::<std::net::SocketAddr>()
@@ -298,6 +300,63 @@ impl Settings {
         self.webhooks.validate()?;
         tracing_subscriber::EnvFilter::try_new(&self.log.level)
             .map_err(|e| invalid("log.level", e.to_string()))?;
+        Ok(())
+    }
+
+    /// Each route named once, in the form a row's `route` column can hold,
+    /// with a relay of its own that parses, and its keys read now so that a
+    /// missing one stops the start.
+    fn validate_routes(&self) -> Result<()> {
+        let invalid = |reason: String| ConfigError::Invalid {
+            key: "routes",
+            reason,
+        };
+        let mut names = std::collections::HashSet::new();
+        for route in &self.routes {
+            let name = &route.name;
+            let valid = !name.is_empty()
+                && name.len() <= 64
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+            if !valid {
+                return Err(invalid(format!(
+                    "name `{name}`: 1 to 64 letters, digits, `-`, `_` or `.`"
+                )));
+            }
+            if !names.insert(name.as_str()) {
+                return Err(invalid(format!("two routes are named `{name}`")));
+            }
+            match TransportKind::parse(&route.url) {
+                Ok(TransportKind::Smtp { .. }) => {}
+                Ok(_) => {
+                    return Err(invalid(format!(
+                        "route {name}: url must be smtp:// or smtps://"
+                    )))
+                }
+                Err(e) => return Err(invalid(format!("route {name}: url: {e}"))),
+            }
+            if route.oauth2.is_some() && route.password_file.is_some() {
+                return Err(invalid(format!(
+                    "route {name}: set either password_file or oauth2, not both"
+                )));
+            }
+            if route.username.is_some() && route.password_file.is_none() && route.oauth2.is_none() {
+                return Err(invalid(format!(
+                    "route {name}: a username needs password_file or oauth2"
+                )));
+            }
+            if let Some(oauth2) = &route.oauth2 {
+                oauth2.tokens("routes.oauth2", route.username.as_deref())?;
+            }
+            if let Some(to) = &route.redirect_to {
+                crate::mail::parse_address(to)
+                    .map_err(|e| invalid(format!("route {name}: redirect_to: {e}")))?;
+            }
+            if let Some(dkim) = &route.dkim {
+                dkim.validate()?;
+            }
+        }
         Ok(())
     }
 

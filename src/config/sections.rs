@@ -15,6 +15,58 @@ use crate::{
 
 use super::{files::read_credential, ConfigError, Result};
 
+/// A route (DESIGN §13): mails from `from_domains` (or a row naming it in
+/// its `route` column) go through a relay of their own, with its own
+/// credentials, fallback, staging redirect and DKIM key. The limits
+/// (`timeout`, `pool_size`, …) are `transport.*`'s.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct RouteSettings {
+    pub name: String,
+    /// A mail whose From domain is one of these, or below one, takes this
+    /// route; the first route that matches wins.
+    pub from_domains: Vec<String>,
+    pub url: String,
+    pub username: Option<String>,
+    pub password_file: Option<PathBuf>,
+    pub oauth2: Option<OAuth2Settings>,
+    pub fallback_url: Option<String>,
+    pub fallback_username: Option<String>,
+    pub fallback_password_file: Option<PathBuf>,
+    pub redirect_to: Option<String>,
+    pub dkim: Option<DkimSettings>,
+}
+
+impl RouteSettings {
+    /// `transport`'s settings with this route's relay in place of its own.
+    pub fn transport(&self, base: &TransportSettings) -> TransportSettings {
+        TransportSettings {
+            url: self.url.clone(),
+            username: self.username.clone(),
+            password: None,
+            password_file: self.password_file.clone(),
+            fallback_url: self.fallback_url.clone(),
+            fallback_username: self.fallback_username.clone(),
+            fallback_password_file: self.fallback_password_file.clone(),
+            redirect_to: self.redirect_to.clone(),
+            oauth2: self.oauth2.clone(),
+            ..base.clone()
+        }
+    }
+
+    /// Whether a mail from `domain` takes this route.
+    pub fn covers(&self, domain: &str) -> bool {
+        let domain = domain.trim_end_matches('.').to_ascii_lowercase();
+        self.from_domains.iter().any(|d| {
+            let d = d.trim_end_matches('.').to_ascii_lowercase();
+            domain == d
+                || domain
+                    .strip_suffix(&d)
+                    .is_some_and(|rest| rest.ends_with('.'))
+        })
+    }
+}
+
 /// One DKIM key: signs mails from `domain` (and below it); off unless all
 /// three keys are set.
 #[derive(Debug, Clone, Deserialize, Default)]

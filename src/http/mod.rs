@@ -44,6 +44,8 @@ pub use snapshot::{Snapshot, Snapshots};
 pub struct Observed {
     pub metrics: Arc<Metrics>,
     pub transport: Arc<Transport>,
+    /// The routes besides the default, by label (DESIGN §13).
+    pub routes: Vec<(String, Arc<Transport>)>,
     pub snapshots: Arc<Snapshots>,
 }
 

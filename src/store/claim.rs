@@ -173,6 +173,8 @@ pub struct MailContent {
     pub body_html: Option<String>,
     /// The `headers` column as JSON text.
     pub headers: Option<String>,
+    /// The route the row names (DESIGN §13); `None`: its From domain's.
+    pub route: Option<String>,
     /// The first of these columns that is not UTF-8 (text SQLite stored as
     /// it was given), and the offset of its first bad octet: that column
     /// reads as empty, and the mail fails rather than goes out.

@@ -31,6 +31,7 @@ pub(crate) fn insert_columns(mail: &NewMail) -> Vec<(&'static str, Param<'_>)> {
         ("from_address", &mail.from_address),
         ("dedupe_key", &mail.dedupe_key),
         ("message_id", &mail.message_id),
+        ("route", &mail.route),
     ];
     for (name, value) in texts {
         if let Some(v) = value {

@@ -251,6 +251,10 @@ pub trait Store: Send + Sync + 'static {
     /// lookup for a whole claim.
     async fn suppressed_among(&self, addresses: &[String]) -> Result<Vec<Suppressed>>;
 
+    /// The route names queued rows give (`check` and `status` name those no
+    /// configuration has).
+    async fn queued_routes(&self) -> Result<Vec<String>>;
+
     /// Those of `ids` whose row says `bypass_suppression`.
     async fn bypassing_suppression(&self, ids: &[i64]) -> Result<Vec<i64>>;
 

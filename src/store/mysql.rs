@@ -182,7 +182,7 @@ SELECT m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count, m
             ELSE 0 END AS attachment_bytes,
        t.id IS NOT NULL AS inline,
        t.from_name, t.from_address, t.to_address, t.cc, t.bcc, t.reply_to, t.subject,
-       t.body, t.body_html, CAST(t.headers AS CHAR) AS headers
+       t.body, t.body_html, CAST(t.headers AS CHAR) AS headers, t.route
 FROM mail_queue AS m
 CROSS JOIN (SELECT ? AS lim, ? AS max_age,
                    (SELECT MAX(y.mail_id) FROM mail_attachment AS y) AS attached) AS p
@@ -430,7 +430,7 @@ ORDER BY COUNT(*) DESC, outcome, stage, smtp_code
 "#,
     load_content: r#"
 SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
-       CAST(headers AS CHAR) AS headers
+       CAST(headers AS CHAR) AS headers, route
 FROM mail_queue WHERE id = ? AND thread_lock = ? AND status = 'sending'
 "#,
     load_attachments: r#"
@@ -494,7 +494,7 @@ LIMIT ?
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
        retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
        from_address, to_address, cc, bcc, reply_to, body, body_html,
-       CAST(headers AS CHAR) AS headers
+       CAST(headers AS CHAR) AS headers, route
 FROM mail_queue "#,
     attachments_of: r#"
 SELECT filename, content_type, LENGTH(content) AS size, content_id

@@ -37,6 +37,9 @@ pub struct NewMail {
     pub headers: Option<serde_json::Map<String, serde_json::Value>>,
     #[serde(default)]
     pub message_id: Option<String>,
+    /// The route it takes (DESIGN §13); `None`: its From domain's.
+    #[serde(default)]
+    pub route: Option<String>,
     /// Sent even to recipients on the suppression list (DESIGN §12).
     #[serde(default)]
     pub bypass_suppression: Option<bool>,

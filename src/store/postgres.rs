@@ -199,7 +199,7 @@ WITH u AS (
             AS body_bytes,
         m.id <= (SELECT max(y.mail_id) FROM mail_attachment AS y) AS may_have_attachments,
         m.from_name, m.from_address, m.to_address, m.cc, m.bcc, m.reply_to, m.subject,
-        m.body, m.body_html, m.headers
+        m.body, m.body_html, m.headers, m.route
 )
 SELECT u.id, u.priority, u.attempts, u.attempts_remaining, u.relay_down_count, u.message_id,
     u.expired, u.content_bytes, u.body_bytes,
@@ -422,7 +422,7 @@ ORDER BY count(*) DESC, outcome, stage, smtp_code
 "#,
     load_content: r#"
 SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
-       headers::text AS headers
+       headers::text AS headers, route
 FROM mail_queue WHERE id = $1 AND thread_lock = $2::uuid AND status = 'sending'
 "#,
     load_attachments: r#"
@@ -489,7 +489,8 @@ DELETE FROM mail_queue WHERE id IN (
     mail_columns: r#"
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
        retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
-       from_address, to_address, cc, bcc, reply_to, body, body_html, headers::text AS headers
+       from_address, to_address, cc, bcc, reply_to, body, body_html, headers::text AS headers,
+       route
 FROM mail_queue "#,
     attachments_of: r#"
 SELECT filename, content_type, octet_length(content)::int8 AS size, content_id

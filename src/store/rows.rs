@@ -71,7 +71,12 @@ macro_rules! inline_columns {
             $fits,
             " THEN ",
             $headers,
-            " END AS headers"
+            " END AS headers, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "route END AS route"
         )
     };
 }
@@ -135,7 +140,7 @@ from_row!(UnlockedRow { id, status });
 from_row!(MailContent, |row| ContentColumns::of(row)?.decode(row));
 
 /// The names of a mail's content columns, in [`ContentColumns`] order.
-const CONTENT_COLUMNS: [&str; 10] = [
+const CONTENT_COLUMNS: [&str; 11] = [
     "from_name",
     "from_address",
     "to_address",
@@ -146,6 +151,7 @@ const CONTENT_COLUMNS: [&str; 10] = [
     "body",
     "body_html",
     "headers",
+    "route",
 ];
 
 /// Where a result's content columns are, found by name once: a claim
@@ -153,14 +159,14 @@ const CONTENT_COLUMNS: [&str; 10] = [
 /// through a hash of the name for every value, a cost a claim would pay
 /// for every column of every row.
 #[derive(Clone, Copy)]
-struct ContentColumns([usize; 10]);
+struct ContentColumns([usize; 11]);
 
 impl ContentColumns {
     fn of<'r, R: Row>(row: &'r R) -> Result<Self, sqlx::Error>
     where
         &'r str: ColumnIndex<R>,
     {
-        let mut at = [0; 10];
+        let mut at = [0; 11];
         for (at, name) in at.iter_mut().zip(CONTENT_COLUMNS) {
             *at = name.index(row)?;
         }
@@ -186,6 +192,7 @@ impl ContentColumns {
             body: text(7)?,
             body_html: text(8)?,
             headers: text(9)?,
+            route: text(10)?,
             not_utf8: None,
         };
         content.not_utf8 = not_utf8;

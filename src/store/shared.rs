@@ -170,6 +170,10 @@ pub(crate) mod portable {
     pub const STATUS_COUNTS: &str =
         "SELECT status, count(*) AS count FROM mail_queue GROUP BY status ORDER BY status";
 
+    /// The routes queued rows name (DESIGN §13).
+    pub const QUEUED_ROUTES: &str =
+        "SELECT DISTINCT route FROM mail_queue WHERE status = 'queued' AND route IS NOT NULL";
+
     /// The ten newest failed or unknown rows (`IS NULL` sorts rows never
     /// processed last, where `NULLS LAST` is not everywhere).
     pub const RECENT_FAILURES: &str = r#"

@@ -481,6 +481,18 @@ where
             .await
     }
 
+    async fn queued_routes(&self) -> Result<Vec<String>> {
+        self.shared
+            .run(|c| {
+                Box::pin(async move {
+                    sqlx::query_scalar(super::shared::portable::QUEUED_ROUTES)
+                        .fetch_all(&mut *c)
+                        .await
+                })
+            })
+            .await
+    }
+
     async fn bypassing_suppression(&self, ids: &[i64]) -> Result<Vec<i64>> {
         if ids.is_empty() {
             return Ok(Vec::new());

@@ -172,7 +172,7 @@ RETURNING id, priority, attempts, attempts_remaining, relay_down_count, message_
 /// lock and status are checked as `load_content` checks them.
 const CLAIM_CONTENT: &str = r#"
 SELECT id, from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
-       headers
+       headers, route
 FROM mail_queue
 WHERE id IN (SELECT value FROM json_each(?1)) AND thread_lock = ?2 AND status = 'sending'
 "#;
@@ -367,7 +367,8 @@ GROUP BY outcome, stage, smtp_code
 ORDER BY count(*) DESC, outcome, stage, smtp_code
 "#,
     load_content: r#"
-SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html, headers
+SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html, headers,
+       route
 FROM mail_queue WHERE id = ?1 AND thread_lock = ?2 AND status = 'sending'
 "#,
     load_attachments: r#"
@@ -434,7 +435,7 @@ DELETE FROM mail_queue WHERE id IN (
     mail_columns: r#"
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
        retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
-       from_address, to_address, cc, bcc, reply_to, body, body_html, headers
+       from_address, to_address, cc, bcc, reply_to, body, body_html, headers, route
 FROM mail_queue "#,
     attachments_of: r#"
 SELECT filename, content_type, octet_length(content) AS size, content_id

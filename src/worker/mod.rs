@@ -13,6 +13,7 @@
 //! - [`report`]: one log line per outcome, in the mail's span.
 //! - [`outcome`]: the outcome policy (DESIGN §2).
 //! - [`relay`]: the relay gate: pauses and probes while the relay is down.
+//! - [`route`]: the routes: a relay per sender domain, each with its gate.
 //! - [`routing`]: probing the relay, the fallback relay, the staging redirect.
 //! - [`pace`]: `worker.rate_limit`, domain and relay throttling.
 //! - [`held`]: the rows this process holds.
@@ -32,6 +33,7 @@ mod ready;
 pub mod relay;
 mod report;
 pub mod retry;
+pub mod route;
 mod routing;
 mod suppression;
 
@@ -58,10 +60,11 @@ use crate::{
 use budget::MemoryBudget;
 use held::Held;
 use outcome::Policy;
-use pace::{Pace, Throttles};
+use pace::Pace;
 use pipeline::Stop;
 use queue::JobQueue;
 use relay::RelayGate;
+use route::{Route, Routes};
 
 /// What [`Worker::process_batch`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -107,16 +110,15 @@ struct LostClaims {
 /// Claims, sends and finalizes mails for one daemon.
 pub struct Worker {
     store: Arc<dyn Store>,
-    transport: Arc<Transport>,
+    /// The relays mail leaves through, the default (`transport.*`) first.
+    routes: Routes,
     settings: WorkerSettings,
     retention: RetentionSettings,
     defaults: Arc<MessageDefaults>,
     message_id_domain: String,
     policy: Policy,
     metrics: Arc<Metrics>,
-    relay: RelayGate,
     pace: Pace,
-    throttles: Throttles,
     held: Held,
     /// Bounds the large mails and attachments loaded at once.
     memory: MemoryBudget,
@@ -143,6 +145,25 @@ impl Worker {
         defaults: MessageDefaults,
         message_id_domain: String,
     ) -> Arc<Worker> {
+        Worker::with_routes(
+            store,
+            Routes::single(transport),
+            settings,
+            retention,
+            defaults,
+            message_id_domain,
+        )
+    }
+
+    /// A worker sending through these routes (DESIGN §13).
+    pub fn with_routes(
+        store: Arc<dyn Store>,
+        routes: Routes,
+        settings: WorkerSettings,
+        retention: RetentionSettings,
+        defaults: MessageDefaults,
+        message_id_domain: String,
+    ) -> Arc<Worker> {
         Arc::new(Worker {
             policy: Policy {
                 ambiguous: settings.ambiguous,
@@ -151,19 +172,19 @@ impl Worker {
                 relay_down_limit: settings.relay_down_limit,
             },
             pace: Pace::new(settings.rate_limit),
-            metrics: Arc::new(Metrics::default()),
+            metrics: Arc::new(Metrics::new(
+                &routes.iter().map(|(_, r)| r.label()).collect::<Vec<_>>(),
+            )),
             db_answered_ms: AtomicU64::new(0),
             lost_claims: Default::default(),
             daemon_id: uuid::Uuid::new_v4(),
             born: std::time::Instant::now(),
             store,
-            transport,
+            routes,
             settings,
             retention,
             defaults: Arc::new(defaults),
             message_id_domain,
-            relay: RelayGate::default(),
-            throttles: Throttles::default(),
             held: Held::default(),
             memory: MemoryBudget::new(budget::LOAD_BUDGET),
             wake: Arc::new(Notify::new()),
@@ -171,8 +192,14 @@ impl Worker {
         })
     }
 
+    /// The default route's relay gate.
     pub fn relay(&self) -> &RelayGate {
-        &self.relay
+        &self.routes.default_route().relay
+    }
+
+    /// The routes, the default first.
+    pub fn routes(&self) -> &Routes {
+        &self.routes
     }
 
     /// The counters and health the HTTP endpoints read.
@@ -192,11 +219,11 @@ impl Worker {
         self.born.elapsed().saturating_sub(last) <= window
     }
 
-    fn relay_went_through(&self) {
-        if !self.relay.is_up() {
-            self.metrics.relay_up();
+    fn relay_went_through(&self, route: &Route) {
+        if !route.relay.is_up() {
+            self.metrics.route_up(route.label());
         }
-        self.relay.went_through();
+        route.relay.went_through();
     }
 
     /// Claims one batch and pushes it through the pipeline: sends it (up to
@@ -246,7 +273,7 @@ impl Worker {
             chores.spawn(self.clone().watchdog(interval, background.clone()));
         }
         chores.spawn(self.clone().sweep(background.clone()));
-        chores.spawn(self.clone().probe_relay(background.clone()));
+        chores.spawn(self.clone().probe_relays(background.clone()));
         chores.spawn(self.clone().purge(background.clone()));
         chores.spawn(self.clone().heartbeat(background.clone()));
 
@@ -269,7 +296,9 @@ impl Worker {
         .await;
         background.cancel();
         while chores.join_next().await.is_some() {}
-        self.transport.close().await;
+        for (_, route) in self.routes.iter() {
+            route.transport.close().await;
+        }
         tracing::info!("worker stopped");
     }
 
@@ -368,7 +397,7 @@ impl Worker {
                     _ = tokio::time::sleep(self.settings.poll_interval) => {}
                 }
             }
-            if let Some(pause) = self.relay.paused_for() {
+            if let Some(pause) = self.claim_pause() {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = tokio::time::sleep(pause) => {}

@@ -90,6 +90,13 @@ pub enum Hold {
     LockLost,
     /// A recipient domain asked us to slow down.
     DomainThrottled { domain: String, wait: Duration },
+    /// Its route's relay is paused while other routes send: the row is
+    /// moved out of the way until the pause ends, not claimed again and
+    /// again.
+    RoutePaused { route: String, wait: Duration },
+    /// The row names a route no configuration has (DESIGN §13): a
+    /// configuration fault, the mail waits unspent.
+    UnknownRoute(String),
 }
 
 /// What the relay's answer tells about the relay as a whole.
@@ -291,6 +298,20 @@ pub fn decide(
             Logged::Suppressed,
             RelaySignal::Quiet,
         ),
+        Attempt::Held(Hold::RoutePaused { route, wait }) => deferred(
+            *wait,
+            format!("deferred: route {route} is unavailable"),
+            false,
+        ),
+        Attempt::Held(Hold::UnknownRoute(name)) => Decision {
+            action: FinalAction::Defer {
+                delay: policy.retry_base.min(Duration::from_secs(60)),
+                error: format!("route `{name}` is not configured"),
+                counted: false,
+            },
+            logged: Logged::Released,
+            relay: RelaySignal::ConfigFault,
+        },
         Attempt::Held(Hold::DomainThrottled { domain, wait }) => deferred(
             *wait,
             format!("deferred: {domain} asked to slow down"),
@@ -336,7 +357,8 @@ pub fn stage_key(attempt: &Attempt) -> Option<&'static str> {
         Attempt::Invalid(MailError::NoSender) => Some("config"),
         Attempt::Invalid(_) => Some("message"),
         Attempt::Expired => Some("queue"),
-        Attempt::Held(Hold::DomainThrottled { .. }) => Some("throttle"),
+        Attempt::Held(Hold::DomainThrottled { .. } | Hold::RoutePaused { .. }) => Some("throttle"),
+        Attempt::Held(Hold::UnknownRoute(_)) => Some("config"),
         Attempt::Suppressed => Some("suppression"),
         Attempt::Held(_) => None,
     }

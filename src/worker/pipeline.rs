@@ -32,7 +32,9 @@ use super::{
     queue::JobQueue,
     ready::Ready,
     report::{log_outcome, panic_text},
-    retry, BatchReport, Worker,
+    retry,
+    route::RouteId,
+    BatchReport, Worker,
 };
 
 /// How long the finalizer waits for more outcomes before writing a group.
@@ -95,7 +97,8 @@ impl Worker {
         results: mpsc::UnboundedSender<Done>,
         stop: Stop,
     ) {
-        let mut session: Option<Session> = None;
+        // The session, and the route it is a session of.
+        let mut session: Option<(RouteId, Session)> = None;
         let mut current: Option<Ready> = None;
         loop {
             let ready = match current.take() {
@@ -105,8 +108,8 @@ impl Worker {
                         Some(job) => job,
                         None => {
                             // Idle: the connection goes back to the pool.
-                            if let Some(s) = session.take() {
-                                self.transport.recycle(s).await;
+                            if let Some((route, s)) = session.take() {
+                                self.routes.get(route).transport.recycle(s).await;
                             }
                             match queue.next(&stop.taking).await {
                                 Some(job) => job,
@@ -127,16 +130,23 @@ impl Worker {
                 Some(job) => Some(self.ready(job).await),
                 None => None,
             };
-            let session = session.get_or_insert_with(|| self.transport.session());
-            let since = self.relay.successes();
+            let route = self.routes.get(ready.route);
+            if let Some((other, s)) = session.take_if(|(r, _)| *r != ready.route) {
+                // Another route's mail: its session goes back to its pool.
+                self.routes.get(other).transport.recycle(s).await;
+            }
+            let (_, session) =
+                session.get_or_insert_with(|| (ready.route, route.transport.session()));
+            let since = route.relay.successes();
             let started = std::time::Instant::now();
-            let sending = AssertUnwindSafe(self.attempt(
-                &ready,
-                next.as_ref().and_then(Ready::outgoing),
-                session,
-            ))
-            .catch_unwind()
-            .instrument(ready.span.clone());
+            // The next mail's envelope rides along only on its own route.
+            let ahead = next
+                .as_ref()
+                .filter(|n| n.route == ready.route)
+                .and_then(Ready::outgoing);
+            let sending = AssertUnwindSafe(self.attempt(&ready, ahead, session))
+                .catch_unwind()
+                .instrument(ready.span.clone());
             let attempt = tokio::select! {
                 attempt = sending => Some(attempt),
                 _ = stop.sending.cancelled() => None,
@@ -179,8 +189,8 @@ impl Worker {
             }
             current = next;
         }
-        if let Some(s) = session.take() {
-            self.transport.recycle(s).await;
+        if let Some((route, s)) = session.take() {
+            self.routes.get(route).transport.recycle(s).await;
         }
     }
 
@@ -195,15 +205,25 @@ impl Worker {
             Ok(prepared) => prepared,
             Err(attempt) => return attempt.clone(),
         };
-        if self.relay.paused_for().is_some() {
-            return Attempt::Held(Hold::RelayPaused);
+        let route = self.routes.get(ready.route);
+        if let Some(wait) = route.relay.paused_for() {
+            // With one route, claims stop while it is paused: the row goes
+            // back at once. With several, the others go on claiming, and the
+            // row waits out the pause instead of being claimed again.
+            return Attempt::Held(match self.routes.len() {
+                1 => Hold::RelayPaused,
+                _ => Hold::RoutePaused {
+                    route: route.label().to_string(),
+                    wait,
+                },
+            });
         }
-        if let Some((domain, wait)) = self.throttles.paused(prepared.domains()) {
+        if let Some((domain, wait)) = route.throttles.paused(prepared.domains()) {
             return Attempt::Held(Hold::DomainThrottled { domain, wait });
         }
         self.pace.turn().await;
         let outgoing = ready.outgoing().expect("prepared");
-        match self.transport.send(session, outgoing, next).await {
+        match route.transport.send(session, outgoing, next).await {
             Ok(delivered) => Attempt::Delivered(delivered),
             Err(e) => Attempt::Failed(e),
         }
@@ -224,12 +244,13 @@ impl Worker {
             Err(_) => &[],
         };
         let domain_names = || domains.iter().map(String::as_str);
+        let route = self.routes.get(ready.route);
         let refused_mid_transaction = matches!(&attempt, Attempt::Failed(e)
             if e.stage.in_transaction() && outcome::classify(e) == outcome::Class::RelayDown);
         let view = if refused_mid_transaction {
-            self.relay.refusal(since)
+            route.relay.refusal(since)
         } else {
-            self.relay.view(since)
+            route.relay.view(since)
         };
         let row = Row {
             attempts: mail.attempts,
@@ -258,8 +279,8 @@ impl Worker {
                 smtp_code = Some(d.code);
                 reply = Some(d.reply.clone());
                 relay = Some(d.relay.as_str());
-                self.metrics.sent_through(d.relay);
-                self.throttles.went_through(domain_names());
+                self.metrics.sent_through(route.label(), d.relay);
+                route.throttles.went_through(domain_names());
                 self.pace.went_through();
             }
             Attempt::Failed(e) => {
@@ -271,9 +292,9 @@ impl Worker {
                     // had their mails claimed and deferred unsent once the
                     // relay gate opened again.
                     let whole_relay = if e.stage == Stage::MailFrom {
-                        self.throttles.throttled([])
+                        route.throttles.throttled([])
                     } else {
-                        self.throttles.throttled(domain_names())
+                        route.throttles.throttled(domain_names())
                     };
                     if whole_relay {
                         self.pace.throttled();
@@ -283,17 +304,23 @@ impl Worker {
             _ => {}
         }
         match decision.relay {
-            RelaySignal::WentThrough => self.relay_went_through(),
+            RelaySignal::WentThrough => self.relay_went_through(route),
             RelaySignal::Down { needs_operator } => {
                 let Attempt::Failed(e) = &attempt else {
                     unreachable!("only a failed send says the relay is down")
                 };
-                self.relay_unavailable(e, needs_operator, !e.stage.in_transaction());
+                self.relay_unavailable(route, e, needs_operator, !e.stage.in_transaction());
             }
-            RelaySignal::ConfigFault => tracing::error!(
-                error = %mail::MailError::NoSender,
-                "configuration fault: mail waits until defaults.from_address is set"
-            ),
+            RelaySignal::ConfigFault => match &attempt {
+                Attempt::Held(Hold::UnknownRoute(name)) => tracing::error!(
+                    route = %name,
+                    "configuration fault: mail names a route that is not configured: it waits"
+                ),
+                _ => tracing::error!(
+                    error = %mail::MailError::NoSender,
+                    "configuration fault: mail waits until defaults.from_address is set"
+                ),
+            },
             RelaySignal::Quiet => {}
         }
         Done {

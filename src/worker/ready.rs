@@ -18,6 +18,7 @@ use crate::{
 use super::{
     outcome::{Attempt, Hold},
     report::{mail_span, panic_text},
+    route::RouteId,
     Worker,
 };
 
@@ -28,6 +29,8 @@ const BUILD_IN_PLACE_LIMIT: u64 = 64 * 1024;
 /// A claimed row with its message built, or the reason it cannot be.
 pub(super) struct Ready {
     pub(super) mail: QueuedMail,
+    /// The route it leaves through.
+    pub(super) route: RouteId,
     pub(super) prepared: Result<PreparedMail, Attempt>,
     /// The unit of work: every log line about this mail, from its build to
     /// its outcome, is inside it (`mail_id`, `lock`, `attempt`).
@@ -43,6 +46,7 @@ impl Ready {
         Ready {
             span: mail_span(&mail),
             mail,
+            route: 0,
             prepared: Err(why),
             _memory: None,
         }
@@ -193,6 +197,25 @@ impl Worker {
         if mail.suppression == SuppressionCheck::Unavailable {
             return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
         }
+        let from_domain = content
+            .from_address
+            .as_deref()
+            .filter(|a| !a.trim().is_empty())
+            .and_then(|a| a.trim().trim_end_matches('>').rsplit_once('@'))
+            .map(|(_, d)| d.to_string())
+            .or_else(|| {
+                self.defaults
+                    .from_address
+                    .as_ref()
+                    .map(|a| a.domain().to_string())
+            });
+        let route = match self
+            .routes
+            .pick(content.route.as_deref(), from_domain.as_deref())
+        {
+            Ok(route) => route,
+            Err(name) => return Ready::held(mail, Attempt::Held(Hold::UnknownRoute(name))),
+        };
         let attachments = match mail.sizes.attachments {
             0 => Vec::new(),
             _ => match self.store.load_attachments(mail.id).await {
@@ -210,6 +233,7 @@ impl Worker {
                 .and_then(|p| self.envelope(&mail, p));
             return Ready {
                 mail,
+                route,
                 prepared,
                 span: tracing::Span::none(),
                 _memory: memory,
@@ -232,6 +256,7 @@ impl Worker {
             .and_then(|p| self.envelope(&mail, p));
         Ready {
             mail,
+            route,
             prepared,
             span: tracing::Span::none(),
             _memory: memory,

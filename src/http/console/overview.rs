@@ -42,6 +42,14 @@ struct FailureView {
     error: String,
 }
 
+/// A route's relay on the overview.
+struct RouteRow {
+    label: String,
+    trouble: Option<String>,
+    active: &'static str,
+    has_fallback: bool,
+}
+
 #[derive(Template)]
 #[template(path = "overview.html", config = "src/http/askama.toml")]
 struct OverviewPage {
@@ -59,6 +67,8 @@ struct OverviewPage {
     stale_locks: i64,
     rates: [String; 3],
     relay_trouble: Option<String>,
+    /// Each route but the default, when there are any (DESIGN §13).
+    routes: Vec<RouteRow>,
     relay_active: &'static str,
     has_fallback: bool,
     redirect: Option<String>,
@@ -157,6 +167,25 @@ pub(super) async fn overview(State(console): State<Arc<Console>>, headers: Heade
             .metrics
             .relay_trouble()
             .map(|t| redact_addresses(&t)),
+        routes: {
+            let troubles = observed.metrics.route_troubles();
+            observed
+                .routes
+                .iter()
+                .map(|(label, transport)| RouteRow {
+                    trouble: troubles
+                        .iter()
+                        .find(|(l, _)| l == label)
+                        .and_then(|(_, t)| t.as_deref().map(redact_addresses)),
+                    active: match transport.active() {
+                        Role::Primary => "primary",
+                        Role::Fallback => "fallback",
+                    },
+                    has_fallback: transport.has_fallback(),
+                    label: label.clone(),
+                })
+                .collect()
+        },
         relay_active: match transport.active() {
             Role::Primary => "primary",
             Role::Fallback => "fallback",
