@@ -240,11 +240,18 @@ impl Tokens {
     pub fn spawn_renewal(self: Arc<Self>, cancel: CancellationToken) {
         tokio::spawn(async move {
             let mut failures = 0u32;
+            // The token fetched at start is renewed on its own schedule, not
+            // asked for again at once.
+            let mut scheduled = self.renewal_due();
             loop {
-                let wait = match self.fetch().await {
-                    Ok(lifetime) => {
+                let fetched = match scheduled.take() {
+                    Some(wait) => Ok(wait),
+                    None => self.fetch().await.map(renew_after),
+                };
+                let wait = match fetched {
+                    Ok(wait) => {
                         failures = 0;
-                        renew_after(lifetime)
+                        wait
                     }
                     Err(e) => {
                         failures += 1;
@@ -271,6 +278,15 @@ impl Tokens {
                 }
             }
         });
+    }
+
+    /// How long until the token at hand is due for renewal; `None` when
+    /// there is no good one.
+    fn renewal_due(&self) -> Option<Duration> {
+        let current = self.current.lock().unwrap();
+        let token = current.as_ref().filter(|t| t.expires > Instant::now())?;
+        let fetched = token.expires.checked_sub(token.lifetime)?;
+        Some((fetched + renew_after(token.lifetime)).saturating_duration_since(Instant::now()))
     }
 
     async fn request(&self) -> Result<Token, TokenError> {
@@ -518,6 +534,25 @@ mod tests {
         assert_eq!(
             renew_after(Duration::from_secs(5)),
             Duration::from_millis(2500)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_token_fetched_at_start_is_renewed_on_its_schedule() {
+        let tokens = Tokens::new(
+            Provider::Command {
+                command: "echo tok-1 3600".into(),
+            },
+            "ann@example.com".into(),
+            None,
+        )
+        .unwrap();
+        assert_eq!(tokens.renewal_due(), None, "nothing to renew yet: fetch");
+        tokens.fetch().await.unwrap();
+        let due = tokens.renewal_due().expect("a token at hand");
+        assert!(
+            due > Duration::from_secs(2690) && due <= Duration::from_secs(2700),
+            "{due:?}"
         );
     }
 
