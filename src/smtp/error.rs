@@ -116,6 +116,8 @@ pub fn failure_label(stage: Option<&str>, smtp_code: Option<i32>) -> String {
         Some("config") => "no sender configured".into(),
         Some("queue") => "expired".into(),
         Some("throttle") => "domain throttled".into(),
+        Some("route") => "route not configured".into(),
+        Some("route_down") => "route unavailable".into(),
         Some("lock") => "worker lost".into(),
         Some("refused") => "refused by tablemail".into(),
         Some(other) => match Stage::from_key(other) {
@@ -323,6 +325,8 @@ mod tests {
             (Some("throttle"), None, "domain throttled"),
             (Some("message"), None, "invalid mail"),
             (Some("config"), None, "no sender configured"),
+            (Some("route"), None, "route not configured"),
+            (Some("route_down"), None, "route unavailable"),
             (Some("refused"), None, "refused by tablemail"),
             (Some("connect"), None, "connect (no reply)"),
         ];

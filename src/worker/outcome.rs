@@ -357,8 +357,11 @@ pub fn stage_key(attempt: &Attempt) -> Option<&'static str> {
         Attempt::Invalid(MailError::NoSender) => Some("config"),
         Attempt::Invalid(_) => Some("message"),
         Attempt::Expired => Some("queue"),
-        Attempt::Held(Hold::DomainThrottled { .. } | Hold::RoutePaused { .. }) => Some("throttle"),
-        Attempt::Held(Hold::UnknownRoute(_)) => Some("config"),
+        Attempt::Held(Hold::DomainThrottled { .. }) => Some("throttle"),
+        // A route's own keys: neither is a domain's throttling nor a missing
+        // sender, which `status` and the console would call them.
+        Attempt::Held(Hold::RoutePaused { .. }) => Some("route_down"),
+        Attempt::Held(Hold::UnknownRoute(_)) => Some("route"),
         Attempt::Suppressed => Some("suppression"),
         Attempt::Held(_) => None,
     }

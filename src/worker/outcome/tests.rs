@@ -407,6 +407,18 @@ fn the_label_reads_the_key_a_failure_stores() {
         failure_label(stage_key(&refused), None),
         "refused by tablemail"
     );
+    // A route's troubles are named as such, not as a missing sender or a
+    // domain's throttling.
+    let unknown = Attempt::Held(Hold::UnknownRoute("billing".into()));
+    assert_eq!(
+        failure_label(stage_key(&unknown), None),
+        "route not configured"
+    );
+    let paused = Attempt::Held(Hold::RoutePaused {
+        route: "support".into(),
+        wait: Duration::from_secs(1),
+    });
+    assert_eq!(failure_label(stage_key(&paused), None), "route unavailable");
 }
 
 #[test]
