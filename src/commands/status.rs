@@ -22,6 +22,12 @@ async fn relays(transport: &Transport) -> Vec<(Role, bool, String)> {
     if transport.has_fallback() {
         roles.push(Role::Fallback);
     }
+    // A relay that takes OAuth2 tokens is probed as the daemon logs in:
+    // with a token, fetched now as `check` does (the daemon's own is not
+    // at hand); a token that cannot be had shows in the probe's answer.
+    for tokens in transport.oauth2() {
+        let _ = tokio::time::timeout(Duration::from_secs(5), tokens.fetch()).await;
+    }
     let mut found = Vec::new();
     for role in roles {
         let probe = tokio::time::timeout(Duration::from_secs(5), transport.probe(role)).await;
