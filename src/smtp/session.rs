@@ -215,8 +215,8 @@ impl SmtpRelay {
             return Err(SendError::broke(
                 Stage::Auth,
                 format!(
-                    "not sent: the connection to {addr} has no TLS (smtp:// without ?tls=required) \
-                     and transport.allow_plaintext_auth is false"
+                    "not sent: the connection to {addr} has no TLS (?tls=none, or a relay on this \
+                     host without ?tls=required) and transport.allow_plaintext_auth is false"
                 ),
             ));
         }
@@ -262,9 +262,17 @@ impl SmtpRelay {
             *stage = Stage::Tls;
             if !conn.can_starttls() {
                 self.hang_up(conn).await;
+                // Said so that an operator who wrote no `tls=` (TLS by
+                // default since DESIGN §13) sees both ways out.
+                let why = if super::is_loopback(&self.host) {
+                    "and tls=required forbids plain text"
+                } else {
+                    "which smtp:// requires of a relay not on this host \
+                     (?tls=none sends in clear on purpose)"
+                };
                 return Err(SendError::broke(
                     Stage::Tls,
-                    format!("{addr} does not offer STARTTLS, and tls=required forbids plain text"),
+                    format!("{addr} does not offer STARTTLS, {why}"),
                 ));
             }
             timed(limit, conn.starttls(params.clone(), &self.hello))
