@@ -31,7 +31,19 @@ impl Daemon {
 
     /// Starts `tablemail run` in `dir` (where relative paths resolve).
     pub fn start_in(dir: &Path, env: Vec<(String, String)>) -> Daemon {
-        let (mut daemon, stdout) = Self::spawn(dir, env);
+        Self::start_with(dir, &[], env)
+    }
+
+    /// Starts `tablemail --config FILE run`: what a configuration file says
+    /// more simply than variables (`[[routes]]`, `transport.oauth2`), the
+    /// environment still winning.
+    pub fn start_config(config: &Path, env: Vec<(String, String)>) -> Daemon {
+        let config = config.to_str().expect("a UTF-8 path");
+        Self::start_with(&std::env::temp_dir(), &["--config", config], env)
+    }
+
+    fn start_with(dir: &Path, args: &[&str], env: Vec<(String, String)>) -> Daemon {
+        let (mut daemon, stdout) = Self::spawn(dir, args, env);
         let sink = daemon.lines.clone();
         daemon.reader = Some(std::thread::spawn(move || {
             for line in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -44,11 +56,16 @@ impl Daemon {
     /// Starts `tablemail run` with its stdout a pipe the caller holds and
     /// nobody reads until the caller does.
     pub fn start_unread(env: Vec<(String, String)>) -> (Daemon, std::process::ChildStdout) {
-        Self::spawn(&std::env::temp_dir(), env)
+        Self::spawn(&std::env::temp_dir(), &[], env)
     }
 
-    fn spawn(dir: &Path, env: Vec<(String, String)>) -> (Daemon, std::process::ChildStdout) {
+    fn spawn(
+        dir: &Path,
+        args: &[&str],
+        env: Vec<(String, String)>,
+    ) -> (Daemon, std::process::ChildStdout) {
         let mut child = tablemail()
+            .args(args)
             .arg("run")
             .current_dir(dir)
             .envs(env)

@@ -1,9 +1,10 @@
 """Verifies a message's DKIM-Signature with dkimpy, the way a receiving
 server would, with DNS answered from the command line.
 
-usage: dkim_verify.py NAME TXT < message
-NAME is the record's name (selector._domainkey.domain), TXT its value.
-Prints "pass" or "fail: <reason>"; exits 0 either way.
+usage: dkim_verify.py NAME TXT [NAME TXT ...] < message
+Each NAME is a record's name (selector._domainkey.domain), TXT its value: the
+keys published, as a receiver finds them; the signature names which one it
+needs. Prints "pass" or "fail: <reason>"; exits 0 either way.
 """
 import sys
 
@@ -11,12 +12,14 @@ import dkim
 
 
 def main():
-    name, txt = sys.argv[1], sys.argv[2]
+    args = sys.argv[1:]
+    if not args or len(args) % 2:
+        sys.exit(__doc__)
+    records = {name.lower(): txt for name, txt in zip(args[::2], args[1::2])}
 
     def dns(qname, timeout=5):
-        if qname.decode().rstrip(".").lower() == name.lower():
-            return txt.encode()
-        return None
+        txt = records.get(qname.decode().rstrip(".").lower())
+        return txt.encode() if txt is not None else None
 
     message = sys.stdin.buffer.read()
     verifier = dkim.DKIM(message)

@@ -8,7 +8,9 @@
 
 pub mod daemon;
 pub mod db;
+pub mod dkim;
 pub mod http;
+pub mod netns;
 pub mod postfix;
 pub mod proxy;
 pub mod smtp;

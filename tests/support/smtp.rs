@@ -54,6 +54,8 @@ impl Received {
 /// The aiosmtpd server of `tests/support/smtp_server.py`.
 pub struct SmtpServer {
     pub port: u16,
+    /// With `--xoauth2`: its token endpoint.
+    pub token_url: Option<String>,
     child: Child,
     out: PathBuf,
     _dir: TempDir,
@@ -61,10 +63,24 @@ pub struct SmtpServer {
 
 impl SmtpServer {
     pub fn start(extra: &[&str]) -> SmtpServer {
+        Self::start_under(&[], extra)
+    }
+
+    /// Starts the server under `prefix` (`ip netns exec NS`: in a network
+    /// namespace), with `extra` options.
+    pub fn start_under(prefix: &[&str], extra: &[&str]) -> SmtpServer {
         let dir = TempDir::new();
         let out = dir.path().join("mails.jsonl");
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/support/smtp_server.py");
-        let mut child = Command::new("python3")
+        let mut cmd = match prefix.split_first() {
+            Some((program, args)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(args).arg("python3");
+                cmd
+            }
+            None => Command::new("python3"),
+        };
+        let mut child = cmd
             .arg(script)
             .arg("--out")
             .arg(&out)
@@ -73,17 +89,24 @@ impl SmtpServer {
             .stderr(Stdio::inherit())
             .spawn()
             .expect("python3 with aiosmtpd (scripts/test installs it)");
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .expect("read port");
-        let port = line
-            .trim()
-            .strip_prefix("PORT ")
-            .and_then(|p| p.parse().ok())
-            .unwrap_or_else(|| panic!("SMTP server did not start: {line:?}"));
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut token_url = None;
+        let port = loop {
+            let mut line = String::new();
+            stdout.read_line(&mut line).expect("read port");
+            if let Some(url) = line.trim().strip_prefix("TOKEN_URL ") {
+                token_url = Some(url.to_string());
+                continue;
+            }
+            break line
+                .trim()
+                .strip_prefix("PORT ")
+                .and_then(|p| p.parse().ok())
+                .unwrap_or_else(|| panic!("SMTP server did not start: {line:?}"));
+        };
         SmtpServer {
             port,
+            token_url,
             child,
             out,
             _dir: dir,
@@ -92,6 +115,16 @@ impl SmtpServer {
 
     pub fn url(&self) -> String {
         format!("smtp://127.0.0.1:{}", self.port)
+    }
+
+    /// The tokens its endpoint issued (with `--xoauth2`), oldest first.
+    pub fn tokens_issued(&self) -> Vec<TokenIssued> {
+        std::fs::read_to_string(self.out.with_extension("jsonl.tokens"))
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(|l| serde_json::from_str(l).expect("server record"))
+            .collect()
     }
 
     fn read(path: &Path) -> Vec<Received> {
@@ -131,6 +164,23 @@ pub struct AuthSeen {
     pub login: Option<String>,
     /// Whether the connection had TLS by then.
     pub tls: bool,
+    /// XOAUTH2: the digest of the token (never the token).
+    #[serde(default)]
+    pub token: Option<String>,
+    /// XOAUTH2: whether the server accepted it.
+    #[serde(default)]
+    pub ok: Option<bool>,
+}
+
+/// A token the `--xoauth2` server's endpoint issued.
+#[derive(Debug, Clone, serde::Deserialize)]
+pub struct TokenIssued {
+    /// Unix time.
+    pub issued_at: f64,
+    /// Its digest, as `AuthSeen::token` names it.
+    pub token: String,
+    /// The token itself: for looking for it where it must never be.
+    pub value: String,
 }
 
 impl Drop for SmtpServer {
@@ -304,6 +354,95 @@ impl Drop for SmtpSink {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A certificate authority of the test's own (openssl), issuing server
+/// certificates; a client trusts it through `SSL_CERT_FILE=<cert>` (read by
+/// rustls-native-certs).
+pub struct TestCa {
+    pub cert: PathBuf,
+    key: PathBuf,
+    dir: PathBuf,
+}
+
+impl TestCa {
+    /// A new CA named `name`, its files in `dir`.
+    pub fn new(dir: &Path, name: &str) -> TestCa {
+        let (cert, key) = (
+            dir.join(format!("{name}-ca.pem")),
+            dir.join(format!("{name}-ca.key")),
+        );
+        openssl(
+            Command::new("openssl")
+                .args(["req", "-x509", "-newkey", "ec", "-pkeyopt"])
+                .args(["ec_paramgen_curve:prime256v1", "-nodes", "-days", "2"])
+                .args(["-subj", &format!("/CN=tablemail test CA {name}")])
+                .args(["-addext", "basicConstraints=critical,CA:TRUE"])
+                .args(["-addext", "keyUsage=critical,keyCertSign,cRLSign"])
+                .arg("-keyout")
+                .arg(&key)
+                .arg("-out")
+                .arg(&cert),
+        );
+        TestCa {
+            cert,
+            key,
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    /// A server certificate (cert, key) for `san` (as openssl writes a
+    /// subjectAltName: `IP:10.0.0.2`, `DNS:localhost`), issued by this CA.
+    pub fn issue(&self, name: &str, san: &str) -> (PathBuf, PathBuf) {
+        let (cert, key, csr) = (
+            self.dir.join(format!("{name}.pem")),
+            self.dir.join(format!("{name}.key")),
+            self.dir.join(format!("{name}.csr")),
+        );
+        openssl(
+            Command::new("openssl")
+                .args(["req", "-new", "-newkey", "ec", "-pkeyopt"])
+                .args(["ec_paramgen_curve:prime256v1", "-nodes"])
+                .args(["-subj", &format!("/CN={name}")])
+                .arg("-keyout")
+                .arg(&key)
+                .arg("-out")
+                .arg(&csr),
+        );
+        let ext = self.dir.join(format!("{name}.ext"));
+        std::fs::write(
+            &ext,
+            format!(
+                "subjectAltName={san}\nbasicConstraints=critical,CA:FALSE\n\
+                 keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n"
+            ),
+        )
+        .unwrap();
+        openssl(
+            Command::new("openssl")
+                .args(["x509", "-req", "-days", "2", "-in"])
+                .arg(&csr)
+                .arg("-CA")
+                .arg(&self.cert)
+                .arg("-CAkey")
+                .arg(&self.key)
+                .arg("-CAcreateserial")
+                .arg("-extfile")
+                .arg(&ext)
+                .arg("-out")
+                .arg(&cert),
+        );
+        (cert, key)
+    }
+}
+
+fn openssl(cmd: &mut Command) {
+    let out = cmd.output().expect("openssl");
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A self-signed certificate for `localhost` (cert, key), made with openssl.
