@@ -31,6 +31,10 @@ pub const GOOGLE_SCOPE: &str = "https://mail.google.com/";
 const COMMAND_LIFETIME: Duration = Duration::from_secs(300);
 /// The longest a fetch may take.
 const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest lifetime a token is believed to have: an endpoint or a
+/// command that says more (by mistake or on purpose) is renewed at least this
+/// often, and its expiry stays a time the clock can hold.
+const MAX_LIFETIME_S: u64 = 24 * 3600;
 /// The largest answer read from a token endpoint or a command.
 const MAX_ANSWER: usize = 64 * 1024;
 
@@ -363,7 +367,7 @@ impl Tokens {
                     _ => None,
                 }
                 .unwrap_or(3600);
-                let lifetime = Duration::from_secs(seconds.max(1));
+                let lifetime = Duration::from_secs(seconds.clamp(1, MAX_LIFETIME_S));
                 Ok(Token {
                     secret: SecretString::from(token),
                     expires: started + lifetime,
@@ -474,7 +478,7 @@ async fn run_command(command: &str) -> Result<Token, TokenError> {
             seconds
                 .parse::<u64>()
                 .map_err(|_| TokenError::Command("its lifetime is not a number of seconds".into()))?
-                .max(1),
+                .clamp(1, MAX_LIFETIME_S),
         ),
         None => COMMAND_LIFETIME,
     };
@@ -570,6 +574,9 @@ mod tests {
             .to_string();
         assert!(e.contains("oops") && !e.contains("secret-out"), "{e}");
         assert!(run_command("true").await.is_err());
+        // A lifetime no clock can hold is taken as a day.
+        let t = run_command("echo tok 18446744073709551615").await.unwrap();
+        assert_eq!(t.lifetime, Duration::from_secs(MAX_LIFETIME_S));
         assert!(run_command("echo tok x").await.is_err());
     }
 
