@@ -69,6 +69,8 @@ mod feedback;
 #[allow(dead_code)]
 #[path = "../tests/support/proxy.rs"]
 mod proxy;
+#[path = "throughput/routes.rs"]
+mod routes;
 #[path = "throughput/scale.rs"]
 mod scale;
 
@@ -99,6 +101,8 @@ struct Options {
     /// `--reports N`: reports recorded per second, by the listener and by
     /// `ingest`.
     reports: Option<usize>,
+    /// `--routes`: paired drains through two routes and through one.
+    routes: bool,
 }
 
 fn options() -> Options {
@@ -145,6 +149,7 @@ fn options() -> Options {
         }),
         suppressed: value("--suppressed").map(|v| v.parse().expect("--suppressed N")),
         reports: value("--reports").map(|v| v.parse().expect("--reports N")),
+        routes: args.iter().any(|a| a == "--routes"),
         chaos: args.iter().any(|a| a == "--chaos").then(|| {
             value("--chaos-every").map_or(Duration::from_secs(120), |v| {
                 humantime::parse_duration(&v).expect("--chaos-every DURATION")
@@ -761,6 +766,9 @@ impl Daemon {
     fn spawn(tablemail: &Path, dir: &Path, name: &str, env: &[(&str, String)]) -> Daemon {
         let log = dir.join(format!("{name}.log"));
         let mut cmd = Command::new(tablemail);
+        if let Some((_, config)) = env.iter().find(|(k, _)| *k == "TABLEMAIL_BENCH_CONFIG") {
+            cmd.arg("--config").arg(config);
+        }
         cmd.arg("run")
             .env("TABLEMAIL__DEFAULTS__FROM_ADDRESS", "bench@example.com")
             .stdout(std::fs::File::create(&log).unwrap())
@@ -957,6 +965,10 @@ struct Setup<'a> {
     /// Addresses on the suppression list before the daemon starts, none of
     /// them a recipient.
     suppressed: usize,
+    /// Half the mails from `shop.example`, half from `support.example`.
+    split_from: bool,
+    /// Two routes, one per domain of `split_from`, both to the drain's sink.
+    two_routes: bool,
 }
 
 /// `mails` rows of `shape` loaded before the daemon starts (as after an
@@ -1003,6 +1015,13 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
     if setup.suppressed > 0 {
         db.load_suppressed(setup.suppressed).await;
     }
+    if setup.split_from {
+        db.exec(
+            "UPDATE mail_queue SET from_address = CASE WHEN id % 2 = 0 \
+             THEN 'bench@shop.example' ELSE 'bench@support.example' END",
+        )
+        .await;
+    }
     if analyzed {
         db.analyze().await;
     }
@@ -1016,6 +1035,19 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
         ),
     ];
     env.extend(setup.env.iter().cloned());
+    if setup.two_routes {
+        let config = setup.dir.join("routes.toml");
+        let url = format!("smtp://127.0.0.1:{}", sink.port);
+        std::fs::write(
+            &config,
+            format!(
+                "[[routes]]\nname = \"shop\"\nfrom_domains = [\"shop.example\"]\nurl = \"{url}\"\n\
+                 [[routes]]\nname = \"support\"\nfrom_domains = [\"support.example\"]\nurl = \"{url}\"\n"
+            ),
+        )
+        .unwrap();
+        env.push(("TABLEMAIL_BENCH_CONFIG", config.display().to_string()));
+    }
     let daemon = Daemon::start(setup.tablemail, setup.dir, "drain", &env);
     let settle = Duration::from_secs(30);
     let seconds = until_drained(&sink, &db, mails, daemon.started, settle, "the drain").await;
@@ -1496,6 +1528,8 @@ async fn main() {
         env: &env,
         attachment: &attachment,
         suppressed: 0,
+        split_from: false,
+        two_routes: false,
     };
     println!("tablemail benchmark — {}", machine());
     println!(
@@ -1645,6 +1679,10 @@ async fn main() {
     if let Some(n) = opts.suppressed {
         let pairs = feedback::suppression_cost(&setup, opts.mails, opts.runs, n).await;
         feedback::suppression_report(n, &pairs);
+    }
+    if opts.routes {
+        let pairs = routes::route_cost(&setup, opts.mails, opts.runs).await;
+        routes::report(&pairs);
     }
     if let Some(n) = opts.reports {
         let rates = feedback::report_rates(&setup, n).await;
