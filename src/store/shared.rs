@@ -38,6 +38,20 @@ pub(crate) fn id_list_len(n: usize) -> usize {
     n.max(1).next_power_of_two()
 }
 
+/// `values` (one or more) padded to [`id_list_len`] places with its last
+/// value, and the placeholders of as many parameters from the first,
+/// comma separated, for an IN list.
+pub(crate) fn padded_list<T: Clone>(
+    mut values: Vec<T>,
+    placeholder: fn(usize) -> String,
+) -> (Vec<T>, String) {
+    if let Some(last) = values.last().cloned() {
+        values.resize(id_list_len(values.len()), last);
+    }
+    let places: Vec<String> = (1..=values.len()).map(placeholder).collect();
+    (values, places.join(", "))
+}
+
 /// The SQL of the operations every backend shares. Parameters come in the
 /// order given, each used once; durations in the backend's unit, lock GUIDs
 /// and daemon ids as text.

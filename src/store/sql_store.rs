@@ -163,17 +163,11 @@ where
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        // A list of few lengths, the last id again in the places beyond the
-        // ids (`id_list_len`: why).
-        let mut ids = ids.to_vec();
-        let last = ids[ids.len() - 1];
-        ids.resize(super::shared::id_list_len(ids.len()), last);
-        let placeholders: Vec<String> = (1..=ids.len())
-            .map(self.shared.queries.placeholder)
-            .collect();
+        // A list of few lengths (`id_list_len`: why).
+        let (ids, places) =
+            super::shared::padded_list(ids.to_vec(), self.shared.queries.placeholder);
         let sql = format!(
-            "SELECT id, status FROM mail_queue WHERE thread_lock IS NULL AND id IN ({})",
-            placeholders.join(", ")
+            "SELECT id, status FROM mail_queue WHERE thread_lock IS NULL AND id IN ({places})"
         );
         self.shared
             .run(|c| {
@@ -497,16 +491,10 @@ where
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let mut ids = ids.to_vec();
-        let last = ids[ids.len() - 1];
-        ids.resize(super::shared::id_list_len(ids.len()), last);
-        let placeholders: Vec<String> = (1..=ids.len())
-            .map(self.shared.queries.placeholder)
-            .collect();
-        let sql = format!(
-            "SELECT id FROM mail_queue WHERE bypass_suppression AND id IN ({})",
-            placeholders.join(", ")
-        );
+        let (ids, places) =
+            super::shared::padded_list(ids.to_vec(), self.shared.queries.placeholder);
+        let sql =
+            format!("SELECT id FROM mail_queue WHERE bypass_suppression AND id IN ({places})");
         self.shared
             .run(|c| {
                 Box::pin(async move {

@@ -526,14 +526,11 @@ impl Dialect for Sqlite {
     async fn suppressed_among(
         c: &mut SqliteConnection,
         sql: &'static str,
-        mut addresses: Vec<String>,
+        addresses: Vec<String>,
     ) -> Result<Vec<super::Suppressed>, sqlx::Error> {
-        // A list of few lengths, the last address again in the places
-        // beyond (`id_list_len`: why).
-        let last = addresses[addresses.len() - 1].clone();
-        addresses.resize(shared::id_list_len(addresses.len()), last);
-        let placeholders: Vec<String> = (1..=addresses.len()).map(QUERIES.placeholder).collect();
-        let sql = format!("{sql}{})", placeholders.join(", "));
+        // A list of few lengths (`id_list_len`: why).
+        let (addresses, places) = shared::padded_list(addresses, QUERIES.placeholder);
+        let sql = format!("{sql}{places})");
         let mut query = sqlx::query_as(sqlx::AssertSqlSafe(sql));
         for address in addresses {
             query = query.bind(address);
