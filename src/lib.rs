@@ -14,6 +14,7 @@
 //! - [`mail`]: a row's draft -> checked, maybe DKIM-signed message bytes.
 //! - [`smtp`]: the stage-aware SMTP client, its pool, fallback, file transport.
 //! - [`dkim`]: the DKIM key and which mails it signs.
+//! - [`limits`]: send caps shared by every daemon, and warm-up.
 //! - [`feedback`]: bounces and complaints: VERP, parser, correlation, the
 //!   SMTP listener, the providers' webhooks.
 //! - [`metrics`]: outcome counters, relay health, `/metrics` and `/healthz`.
@@ -34,6 +35,7 @@ pub mod config;
 pub mod dkim;
 pub mod feedback;
 pub mod http;
+pub mod limits;
 pub mod mail;
 pub mod metrics;
 pub mod random;

@@ -92,6 +92,8 @@ pub struct Metrics {
     suppressed: AtomicU64,
     /// Reports this daemon recorded, per kind of `FeedbackKind::ALL`.
     feedback: [AtomicU64; 6],
+    /// Each send cap's use as the database last counted it (DESIGN §16).
+    caps: std::sync::Mutex<Vec<crate::store::CapUse>>,
 }
 
 impl Metrics {
@@ -153,6 +155,7 @@ impl Metrics {
             config_faults: Default::default(),
             suppressed: AtomicU64::new(0),
             feedback: Default::default(),
+            caps: Default::default(),
         }
     }
 
@@ -230,6 +233,20 @@ impl Metrics {
         self.feedback[i].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A send cap's use as the database counted it just now.
+    pub fn cap_use(&self, cap: &crate::store::CapUse) {
+        let mut caps = self.caps.lock().expect("not poisoned");
+        match caps.iter_mut().find(|c| c.name == cap.name) {
+            Some(known) => *known = cap.clone(),
+            None => caps.push(cap.clone()),
+        }
+    }
+
+    /// Each send cap's use, in the order they were first seen.
+    pub fn cap_uses(&self) -> Vec<crate::store::CapUse> {
+        self.caps.lock().expect("not poisoned").clone()
+    }
+
     /// The configuration faults found at start.
     pub fn config_faults(&self) -> Vec<String> {
         self.config_faults.lock().unwrap().clone()
@@ -284,6 +301,27 @@ impl Metrics {
                 kind.as_str(),
                 get(counter)
             );
+        }
+        let caps = self.cap_uses();
+        if !caps.is_empty() {
+            out.push_str("# HELP tablemail_limit_used Sends a send cap counts in its window now (during warm-up, today's).\n");
+            out.push_str("# TYPE tablemail_limit_used gauge\n");
+            for cap in &caps {
+                let _ = writeln!(
+                    out,
+                    "tablemail_limit_used{{limit=\"{}\"}} {}",
+                    cap.name, cap.used
+                );
+            }
+            out.push_str("# HELP tablemail_limit_max The most sends a send cap allows in its window now (during warm-up, today's).\n");
+            out.push_str("# TYPE tablemail_limit_max gauge\n");
+            for cap in &caps {
+                let _ = writeln!(
+                    out,
+                    "tablemail_limit_max{{limit=\"{}\"}} {}",
+                    cap.name, cap.max
+                );
+            }
         }
         out.push_str("# HELP tablemail_log_lines_dropped_total Log lines dropped because stdout did not keep up.\n");
         out.push_str("# TYPE tablemail_log_lines_dropped_total counter\n");

@@ -1,7 +1,8 @@
 //! The least-privilege roles of the README, granted as written there: the
 //! application inserts a mail and its attachments in one transaction (the
 //! README's insert), the daemon's role claims, sends, writes history,
-//! reports itself, retries, cancels and purges; neither needs more.
+//! reports itself, reserves room under the send caps, retries, cancels and
+//! purges; neither needs more.
 
 mod support;
 
@@ -9,8 +10,8 @@ use std::time::Duration;
 
 use support::*;
 use tablemail::store::{
-    BatchLock, Claim, DaemonBeat, Event, EventOutcome, FinalAction, Finalize, MailLookup,
-    RetrySelection,
+    BatchLock, CapRequest, Claim, DaemonBeat, Event, EventOutcome, FinalAction, Finalize,
+    MailLookup, RetrySelection,
 };
 
 /// The SQL block of the README that follows `<!-- marker -->`.
@@ -99,6 +100,16 @@ async fn the_readme_roles_are_enough_for_the_application_and_the_daemon() {
     assert_eq!(m.sizes.attachments, 1);
     let parts = store.load_attachments(m.id).await.unwrap();
     assert_eq!(parts[0].filename, "invoice-42.pdf");
+    // Send caps (DESIGN §16): room reserved under the claim's lock.
+    let caps = [CapRequest {
+        name: "quota".into(),
+        max: 10,
+        per: Duration::from_secs(60),
+        warmup: None,
+        mails: vec![m.id],
+    }];
+    let answers = store.reserve_caps(m.lock, &caps).await.unwrap();
+    assert_eq!(answers[0].granted, [m.id]);
     store
         .finalize(&[Finalize {
             id: m.id,
@@ -116,6 +127,12 @@ async fn the_readme_roles_are_enough_for_the_application_and_the_daemon() {
                 detail: None,
             }),
         }])
+        .await
+        .unwrap();
+    store.settle_caps(&[m.id], &[]).await.unwrap();
+    assert_eq!(store.cap_uses(&caps).await.unwrap()[0].used, 1);
+    store
+        .purge_cap_uses(Duration::from_secs(3600))
         .await
         .unwrap();
     store

@@ -279,6 +279,7 @@ pub(super) async fn run(settings: &Settings) -> Result<()> {
         settings.retention.clone(),
         defaults,
         mail::local_hostname(),
+        crate::limits::Caps::new(&settings.limits),
     );
     for fault in faults {
         worker.metrics().config_fault(fault);

@@ -71,6 +71,8 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
         }
     }
     let unknown_routes = super::unknown_routes(settings, &store).await?;
+    let caps = crate::limits::Caps::new(&settings.limits);
+    let cap_uses = store.cap_uses(&caps.requests()).await?;
     let transport = &routes[0].transport;
     let redirect = transport
         .redirected_to()
@@ -98,6 +100,9 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
                 "route": route, "relay": role.as_str(), "reachable": reachable, "detail": detail,
             })).collect::<Vec<_>>(),
             "unknown_routes": unknown_routes,
+            "limits": cap_uses.iter().zip(caps.iter()).map(|(u, cap)| serde_json::json!({
+                "name": u.name, "used": u.used, "max": u.max, "per_seconds": cap.per.as_secs(),
+            })).collect::<Vec<_>>(),
             "redirect_to": redirect,
             "daemons": daemons,
         });
@@ -142,6 +147,20 @@ pub(super) async fn status(settings: &Settings, json: bool) -> Result<()> {
         println!(
             "routes queued rows name but no configuration has (they wait): {}",
             unknown_routes.join(", ")
+        );
+    }
+    for (u, cap) in cap_uses.iter().zip(caps.iter()) {
+        let state = if u.used >= u.max {
+            "  REACHED: mails it counts wait"
+        } else {
+            ""
+        };
+        println!(
+            "send cap {}: {} of {} used (per {}){state}",
+            u.name,
+            u.used,
+            u.max,
+            humantime::format_duration(cap.per)
         );
     }
     if let Some(to) = &redirect {

@@ -10,6 +10,7 @@
 //!   suppression).
 //! - `webhooks`: the providers' webhooks (listener, keys).
 //! - `files`: the config file and credential files.
+//! - `limits`: the send caps shared by every daemon.
 
 use std::{path::Path, time::Duration};
 
@@ -20,12 +21,14 @@ use crate::smtp::TransportKind;
 
 mod delivery;
 mod files;
+mod limits;
 mod sections;
 mod webhooks;
 
 pub use delivery::*;
 pub use files::credential_path;
 use files::{check_readable, read_credential};
+pub use limits::*;
 pub use sections::*;
 pub use webhooks::*;
 
@@ -59,6 +62,8 @@ pub struct Settings {
     pub suppression: SuppressionSettings,
     pub webhooks: WebhooksSettings,
     pub routes: Vec<RouteSettings>,
+    /// Send caps shared by every daemon (DESIGN §16).
+    pub limits: Vec<LimitSettings>,
 }
 
 impl Settings {
@@ -235,6 +240,19 @@ impl Settings {
             key.validate()?;
         }
         self.validate_routes()?;
+        validate_limits(&self.limits)?;
+        for limit in &self.limits {
+            if let Some(route) = limit
+                .route
+                .iter()
+                .find(|r| *r != "default" && !self.routes.iter().any(|n| &n.name == *r))
+            {
+                return Err(invalid(
+                    "limits",
+                    format!("limit {}: route `{route}` is not configured", limit.name),
+                ));
+            }
+        }
         if let Some(listen) = &self.metrics.listen {
             listen
                 .parse::<std::net::SocketAddr>()

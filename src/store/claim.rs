@@ -131,6 +131,29 @@ pub struct QueuedMail {
     /// What the suppression list says of its recipients; the worker reads
     /// it for the whole claim at once.
     pub suppression: SuppressionCheck,
+    /// What the send caps said of it (DESIGN §16); the worker asks for the
+    /// whole claim at once.
+    pub caps: CapCheck,
+}
+
+/// What the send caps said of a claimed row (DESIGN §16).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum CapCheck {
+    /// Not asked yet (a large row: its sender and recipients come with its
+    /// content).
+    #[default]
+    Unchecked,
+    /// No cap counts it.
+    Uncounted,
+    /// Every cap that counts it reserved room for it under its claim.
+    Reserved,
+    /// `cap` has no room: the mail waits `wait`, unspent.
+    Over {
+        cap: String,
+        wait: std::time::Duration,
+    },
+    /// The caps could not be read: the mail waits, unspent.
+    Unavailable,
 }
 
 /// What the suppression list said of a claimed row's recipients (DESIGN

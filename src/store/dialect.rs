@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     conns::Conns,
-    shared::{FeedbackQueries, Queries, Shared},
+    shared::{FeedbackQueries, LimitQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, Enqueued, Finalize, Finished, Maintenance, NewMail, QueuedMail,
     Result, StaleRow,
 };
@@ -30,6 +30,8 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
     const QUERIES: &'static Queries;
     /// The delivery loop's SQL.
     const FEEDBACK: &'static FeedbackQueries;
+    /// The send caps' SQL.
+    const LIMITS: &'static LimitQueries;
     /// Durations as its SQL counts them.
     const UNIT: fn(Duration) -> i64;
 

@@ -17,6 +17,7 @@
 //! - [`new_mail`]: what applications insert.
 //! - [`records`]: what operators read back and do.
 //! - [`feedback`]: reports, their history rows, the suppression list.
+//! - [`limits`]: send caps: reservations, their settling, their use.
 //! - [`error`]: [`StoreError`], by what to do about it.
 //! - `dialect`: what each database does its own way.
 //! - `sql_store`: the one `Store`, written once over any dialect.
@@ -38,6 +39,7 @@ mod error;
 mod feedback;
 mod finalize;
 mod insert;
+mod limits;
 mod migrations;
 mod mysql;
 mod new_mail;
@@ -50,7 +52,7 @@ mod sqlite;
 
 pub(crate) use claim::ClaimBinds;
 pub use claim::{
-    Attachment, BatchLock, Claim, MailContent, MailSizes, QueuedMail, SuppressionCheck,
+    Attachment, BatchLock, CapCheck, Claim, MailContent, MailSizes, QueuedMail, SuppressionCheck,
 };
 pub use error::{Result, StoreError};
 pub use feedback::{
@@ -61,6 +63,7 @@ pub use feedback::{
 pub use finalize::{
     CountWrite, Event, EventOutcome, FinalAction, FinalColumns, Finalize, StaleRow, UnlockedRow,
 };
+pub use limits::{budget, room, Budget, CapAnswer, CapRequest, CapUse, DAY_MS};
 pub use new_mail::{Enqueued, NewAttachment, NewMail, DEFAULT_CONTENT_TYPE};
 pub use records::{
     AttachmentInfo, DaemonBeat, DaemonRow, EventRow, FailureGroup, Finished, MailFilter,
@@ -292,6 +295,23 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes up to `limit` reports older than `older_than`, and the
     /// suppression entries that have expired.
     async fn purge_feedback(&self, older_than: Duration, limit: usize) -> Result<u64>;
+
+    /// Reserves each cap's capacity for the mails it counts among those
+    /// claimed under `lock`, in one transaction that holds every cap's row
+    /// (taken in name order). A mail one cap turns away holds no
+    /// reservation of any other. DESIGN §16.
+    async fn reserve_caps(&self, lock: BatchLock, caps: &[CapRequest]) -> Result<Vec<CapAnswer>>;
+
+    /// After their outcomes are written: the reservations of mails that
+    /// may have gone out count one window from now; those of `unsent`
+    /// mails (the send never reached ".") are given back.
+    async fn settle_caps(&self, sent: &[i64], unsent: &[(i64, BatchLock)]) -> Result<()>;
+
+    /// What each cap counts now (its `mails` are not read).
+    async fn cap_uses(&self, caps: &[CapRequest]) -> Result<Vec<CapUse>>;
+
+    /// Deletes reservations counted from longer ago than `older_than`.
+    async fn purge_cap_uses(&self, older_than: Duration) -> Result<u64>;
 }
 
 /// Connects to the database named by `url` (the pool connects lazily).

@@ -30,7 +30,7 @@ use super::{
     insert::{insert_attachments, insert_columns, insert_query},
     migrations::MYSQL,
     rows::{self, finalize_rows_json, held_json, locks_json},
-    shared::{self, id_list_len, portable, FeedbackQueries, Queries, Shared},
+    shared::{self, id_list_len, portable, FeedbackQueries, LimitQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Finished, NewMail,
     QueuedMail, Result, StaleRow,
 };
@@ -399,6 +399,13 @@ LIMIT ?
     purge_suppression: "DELETE FROM mail_suppression WHERE expires_at < UTC_TIMESTAMP(6)",
 };
 
+static LIMITS: LimitQueries = LimitQueries {
+    now: "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000 AS SIGNED)",
+    ensure: "INSERT IGNORE INTO mail_limit (name) VALUES (?)",
+    lock_suffix: " FOR UPDATE",
+    held_by: "q.thread_lock = mail_limit_use.thread_lock",
+};
+
 static QUERIES: Queries = Queries {
     placeholder: |_| "?".to_string(),
     status_counts: portable::STATUS_COUNTS,
@@ -658,6 +665,7 @@ impl Dialect for MySql {
 
     const QUERIES: &'static Queries = &QUERIES;
     const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
+    const LIMITS: &'static LimitQueries = &LIMITS;
     const UNIT: fn(Duration) -> i64 = shared::micros;
 
     async fn claim(c: &mut MySqlConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {

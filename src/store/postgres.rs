@@ -22,7 +22,7 @@ use super::{
     insert::{self, Param},
     migrations::POSTGRES,
     rows::{self, inline_columns},
-    shared::{self, portable, FeedbackQueries, Queries, Shared},
+    shared::{self, portable, FeedbackQueries, LimitQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
     QueuedMail, Result, StaleRow, StoreError,
 };
@@ -394,6 +394,13 @@ DELETE FROM mail_feedback WHERE id IN (
     purge_suppression: "DELETE FROM mail_suppression WHERE expires_at < now()",
 };
 
+static LIMITS: LimitQueries = LimitQueries {
+    now: "(extract(epoch FROM clock_timestamp()) * 1000)::bigint",
+    ensure: "INSERT INTO mail_limit (name) VALUES ($1) ON CONFLICT DO NOTHING",
+    lock_suffix: " FOR UPDATE",
+    held_by: "q.thread_lock::text = mail_limit_use.thread_lock",
+};
+
 static QUERIES: Queries = Queries {
     placeholder: |i| format!("${i}"),
     status_counts: portable::STATUS_COUNTS,
@@ -552,6 +559,7 @@ impl Dialect for Postgres {
 
     const QUERIES: &'static Queries = &QUERIES;
     const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
+    const LIMITS: &'static LimitQueries = &LIMITS;
     const UNIT: fn(Duration) -> i64 = shared::millis;
 
     async fn claim(c: &mut PgConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {

@@ -627,6 +627,7 @@ where
                     _ => None,
                 },
                 suppression: super::SuppressionCheck::Unchecked,
+                caps: super::CapCheck::Unchecked,
             })
         })
         .collect()

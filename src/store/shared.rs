@@ -178,6 +178,23 @@ pub(crate) struct FeedbackQueries {
     pub purge_suppression: &'static str,
 }
 
+/// What the send caps' SQL (DESIGN §16) says its own way on each database;
+/// `sql_store` builds the rest with the placeholders.
+pub(crate) struct LimitQueries {
+    /// The database clock in milliseconds since the epoch, as an
+    /// expression read when the statement runs.
+    pub now: &'static str,
+    /// ($1 name): the cap's row, unless it is there.
+    pub ensure: &'static str,
+    /// What locks a cap's row until the transaction ends, after `SELECT …
+    /// WHERE name = $1` (SQLite: nothing; `BEGIN IMMEDIATE` took the write
+    /// lock already).
+    pub lock_suffix: &'static str,
+    /// The condition that `q`, a `mail_queue` row, is held by the claim
+    /// that made the reservation `mail_limit_use`.
+    pub held_by: &'static str,
+}
+
 /// Statements that read the same on every database.
 pub(crate) mod portable {
     /// Rows by status.
@@ -205,6 +222,7 @@ pub(crate) struct Shared<DB: Database> {
     pub deadline: Duration,
     pub queries: &'static Queries,
     pub feedback: &'static FeedbackQueries,
+    pub limits: &'static LimitQueries,
     /// Durations as the backend's SQL counts them.
     pub unit: fn(Duration) -> i64,
     pub migrator: Migrator,
@@ -226,6 +244,7 @@ impl<DB: Database> Shared<DB> {
             deadline,
             queries: D::QUERIES,
             feedback: D::FEEDBACK,
+            limits: D::LIMITS,
             unit: D::UNIT,
             migrator: super::migrations::migrator(migrations),
             begin_write,

@@ -7,7 +7,9 @@ use std::{sync::Arc, time::Duration};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use sqlx::{migrate::Migrate, ColumnIndex, Database, Decode, Executor, FromRow, Row, Type};
+use sqlx::{
+    migrate::Migrate, AssertSqlSafe, ColumnIndex, Database, Decode, Executor, FromRow, Row, Type,
+};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -20,6 +22,7 @@ use super::{
     Maintenance, MinuteCount, NewMail, QueueStats, QueuedMail, Result, RetrySelection, StaleRow,
     Store, UnlockedRow, SILENT_AFTER_SECONDS,
 };
+use super::{room, Budget, CapAnswer, CapRequest, CapUse};
 use super::{
     FeedbackCount, FeedbackKind, FeedbackRecord, FeedbackRecorded, FeedbackTarget, NewSuppression,
     RecipientEvent, Suppressed, SuppressionEntry, SuppressionFilter,
@@ -823,6 +826,202 @@ where
             })
             .await
     }
+
+    async fn reserve_caps(&self, lock: BatchLock, caps: &[CapRequest]) -> Result<Vec<CapAnswer>> {
+        if caps.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = LimitSql::new(self.shared.limits, self.shared.queries.placeholder);
+        let begin = self.shared.begin_write;
+        let mut caps = caps.to_vec();
+        caps.sort_by(|a, b| a.name.cmp(&b.name));
+        let lock = lock.to_string();
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    let mut answers = Vec::with_capacity(caps.len());
+                    let mut turned_away: std::collections::HashSet<i64> = Default::default();
+                    for cap in &caps {
+                        let locked = sqlx::query(AssertSqlSafe(sql.lock.clone()))
+                            .bind(cap.name.clone())
+                            .fetch_optional(&mut *tx)
+                            .await?;
+                        let locked = match locked {
+                            Some(row) => row,
+                            None => {
+                                sqlx::query(sql.ensure)
+                                    .bind(cap.name.clone())
+                                    .execute(&mut *tx)
+                                    .await?;
+                                sqlx::query(AssertSqlSafe(sql.lock.clone()))
+                                    .bind(cap.name.clone())
+                                    .fetch_one(&mut *tx)
+                                    .await?
+                            }
+                        };
+                        let now: i64 = locked.try_get("now_ms")?;
+                        sqlx::query(AssertSqlSafe(sql.sweep.clone()))
+                            .bind(cap.name.clone())
+                            .execute(&mut *tx)
+                            .await?;
+                        let (budget, used, oldest, day_used) =
+                            sql.count::<D::DB>(&mut tx, cap, now).await?;
+                        let (space, _) = room(&budget, now, used, oldest, day_used);
+                        let granted: Vec<i64> = cap
+                            .mails
+                            .iter()
+                            .copied()
+                            .filter(|m| !turned_away.contains(m))
+                            .take(space as usize)
+                            .collect();
+                        let refused: Vec<i64> = cap
+                            .mails
+                            .iter()
+                            .copied()
+                            .filter(|m| !turned_away.contains(m) && !granted.contains(m))
+                            .collect();
+                        turned_away.extend(cap.mails.iter().filter(|m| !granted.contains(m)));
+                        if !granted.is_empty() {
+                            let mut query = sqlx::query(AssertSqlSafe(sql.insert(granted.len())));
+                            for id in &granted {
+                                query = query
+                                    .bind(cap.name.clone())
+                                    .bind(*id)
+                                    .bind(lock.clone())
+                                    .bind(now);
+                            }
+                            query.execute(&mut *tx).await?;
+                        }
+                        let g = granted.len() as u64;
+                        let (_, frees_at) = room(&budget, now, used + g, oldest, day_used + g);
+                        let (used, max) = match budget.day {
+                            Some((_, day_max)) if day_max < budget.max => (day_used + g, day_max),
+                            _ => (used + g, budget.max),
+                        };
+                        answers.push(CapAnswer {
+                            name: cap.name.clone(),
+                            granted,
+                            turned_away: refused,
+                            used,
+                            max,
+                            frees_in: Duration::from_millis((frees_at - now).max(0) as u64),
+                        });
+                    }
+                    // A mail one cap turned away gives back what the caps
+                    // before it reserved: it is not sent now.
+                    for answer in &mut answers {
+                        let back: Vec<i64> = answer
+                            .granted
+                            .iter()
+                            .copied()
+                            .filter(|m| turned_away.contains(m))
+                            .collect();
+                        if back.is_empty() {
+                            continue;
+                        }
+                        answer.granted.retain(|m| !turned_away.contains(m));
+                        answer.used = answer.used.saturating_sub(back.len() as u64);
+                        let mut query = sqlx::query(AssertSqlSafe(sql.give_back(back.len())))
+                            .bind(answer.name.clone())
+                            .bind(lock.clone());
+                        for id in back {
+                            query = query.bind(id);
+                        }
+                        query.execute(&mut *tx).await?;
+                    }
+                    tx.commit().await?;
+                    Ok(answers)
+                })
+            })
+            .await
+    }
+
+    async fn settle_caps(&self, sent: &[i64], unsent: &[(i64, BatchLock)]) -> Result<()> {
+        if sent.is_empty() && unsent.is_empty() {
+            return Ok(());
+        }
+        let sql = LimitSql::new(self.shared.limits, self.shared.queries.placeholder);
+        let begin = self.shared.begin_write;
+        let sent = padded(sent);
+        let mut by_lock: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
+        for (id, lock) in unsent {
+            by_lock.entry(lock.to_string()).or_default().push(*id);
+        }
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
+                    if !sent.is_empty() {
+                        let mut query = sqlx::query(AssertSqlSafe(sql.settle(sent.len())));
+                        for id in &sent {
+                            query = query.bind(*id);
+                        }
+                        query.execute(&mut *tx).await?;
+                    }
+                    for (lock, ids) in by_lock {
+                        let ids = padded(&ids);
+                        let mut query =
+                            sqlx::query(AssertSqlSafe(sql.release(ids.len()))).bind(lock);
+                        for id in ids {
+                            query = query.bind(id);
+                        }
+                        query.execute(&mut *tx).await?;
+                    }
+                    tx.commit().await
+                })
+            })
+            .await
+    }
+
+    async fn cap_uses(&self, caps: &[CapRequest]) -> Result<Vec<CapUse>> {
+        if caps.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = LimitSql::new(self.shared.limits, self.shared.queries.placeholder);
+        let caps = caps.to_vec();
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let now: i64 = sqlx::query(AssertSqlSafe(sql.now.clone()))
+                        .fetch_one(&mut *c)
+                        .await?
+                        .try_get("now_ms")?;
+                    let mut uses = Vec::with_capacity(caps.len());
+                    for cap in &caps {
+                        let (budget, used, _, day_used) =
+                            sql.count::<D::DB>(&mut *c, cap, now).await?;
+                        let (used, max) = match budget.day {
+                            Some((_, day_max)) if day_max < budget.max => (day_used, day_max),
+                            _ => (used, budget.max),
+                        };
+                        uses.push(CapUse {
+                            name: cap.name.clone(),
+                            used,
+                            max,
+                        });
+                    }
+                    Ok(uses)
+                })
+            })
+            .await
+    }
+
+    async fn purge_cap_uses(&self, older_than: Duration) -> Result<u64> {
+        let sql = LimitSql::new(self.shared.limits, self.shared.queries.placeholder);
+        let older_than = super::shared::millis(older_than);
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    let done = sqlx::query(AssertSqlSafe(sql.purge))
+                        .bind(older_than)
+                        .execute(&mut *c)
+                        .await?;
+                    Ok(done.count())
+                })
+            })
+            .await
+    }
 }
 
 /// A single value bound to a statement built at run time.
@@ -879,5 +1078,156 @@ where
                 })
             })
             .await
+    }
+}
+
+/// An id list padded to one of few lengths (see `id_list_len`).
+fn padded(ids: &[i64]) -> Vec<i64> {
+    let mut ids = ids.to_vec();
+    if let Some(&last) = ids.last() {
+        ids.resize(super::shared::id_list_len(ids.len()), last);
+    }
+    ids
+}
+
+/// The send caps' statements (DESIGN §16), built from a dialect's
+/// [`LimitQueries`](super::shared::LimitQueries) and placeholders.
+struct LimitSql {
+    placeholder: fn(usize) -> String,
+    /// -> `now_ms`.
+    now: String,
+    ensure: &'static str,
+    /// ($1 name) -> `name`, `now_ms`: the cap's row, locked.
+    lock: String,
+    /// ($1 name): pending reservations no longer held are counted from now.
+    sweep: String,
+    /// ($1 name, $2 after) -> `used`, `oldest` (-1: none settled).
+    window: String,
+    /// ($1 name, $2 day start) -> `used`.
+    day: String,
+    /// ($1 older than, ms).
+    purge: String,
+    now_expr: &'static str,
+}
+
+impl LimitSql {
+    fn new(q: &'static super::shared::LimitQueries, placeholder: fn(usize) -> String) -> Self {
+        let (p1, p2) = (placeholder(1), placeholder(2));
+        let now = q.now;
+        LimitSql {
+            placeholder,
+            now: format!("SELECT {now} AS now_ms"),
+            ensure: q.ensure,
+            lock: format!(
+                "SELECT name, {now} AS now_ms FROM mail_limit WHERE name = {p1}{}",
+                q.lock_suffix
+            ),
+            sweep: format!(
+                "UPDATE mail_limit_use SET sent_ms = {now} \
+                 WHERE limit_name = {p1} AND sent_ms IS NULL AND NOT EXISTS (\
+                 SELECT 1 FROM mail_queue AS q WHERE q.id = mail_limit_use.mail_id \
+                 AND q.status = 'sending' AND {})",
+                q.held_by
+            ),
+            window: format!(
+                "SELECT COUNT(*) AS used, COALESCE(MIN(sent_ms), -1) AS oldest \
+                 FROM mail_limit_use WHERE limit_name = {p1} AND (sent_ms IS NULL OR sent_ms > {p2})"
+            ),
+            day: format!(
+                "SELECT COUNT(*) AS used FROM mail_limit_use \
+                 WHERE limit_name = {p1} AND (sent_ms IS NULL OR sent_ms >= {p2})"
+            ),
+            purge: format!(
+                "DELETE FROM mail_limit_use WHERE sent_ms IS NOT NULL AND sent_ms < {now} - {p1}"
+            ),
+            now_expr: now,
+        }
+    }
+
+    fn list(&self, from: usize, n: usize) -> String {
+        (from..from + n)
+            .map(self.placeholder)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// (name, mail id, lock, reserved at) per row.
+    fn insert(&self, rows: usize) -> String {
+        let values: Vec<String> = (0..rows)
+            .map(|r| format!("({})", self.list(1 + 4 * r, 4)))
+            .collect();
+        format!(
+            "INSERT INTO mail_limit_use (limit_name, mail_id, thread_lock, reserved_ms) VALUES {}",
+            values.join(", ")
+        )
+    }
+
+    /// ($1 name, $2 lock, then the ids).
+    fn give_back(&self, ids: usize) -> String {
+        format!(
+            "DELETE FROM mail_limit_use WHERE limit_name = {} AND thread_lock = {} AND mail_id IN ({})",
+            (self.placeholder)(1),
+            (self.placeholder)(2),
+            self.list(3, ids)
+        )
+    }
+
+    /// (the ids): counted one window from now.
+    fn settle(&self, ids: usize) -> String {
+        format!(
+            "UPDATE mail_limit_use SET sent_ms = {} WHERE sent_ms IS NULL AND mail_id IN ({})",
+            self.now_expr,
+            self.list(1, ids)
+        )
+    }
+
+    /// ($1 lock, then the ids): known unsent, given back.
+    fn release(&self, ids: usize) -> String {
+        format!(
+            "DELETE FROM mail_limit_use WHERE thread_lock = {} AND mail_id IN ({})",
+            (self.placeholder)(1),
+            self.list(2, ids)
+        )
+    }
+
+    /// The cap's budget at `now`, what its window counts and its oldest
+    /// settled reservation there, and what its warm-up day counts.
+    async fn count<DB: Database>(
+        &self,
+        c: &mut DB::Connection,
+        cap: &CapRequest,
+        now: i64,
+    ) -> Result<(Budget, u64, Option<i64>, u64), sqlx::Error>
+    where
+        DB::Arguments: sqlx::IntoArguments<DB>,
+        for<'e> &'e mut DB::Connection: Executor<'e, Database = DB>,
+        for<'r> &'r str: ColumnIndex<DB::Row>,
+        i64: Bind<DB>,
+        String: Bind<DB>,
+        for<'r> i64: Decode<'r, DB> + Type<DB>,
+    {
+        let budget = cap.budget(now);
+        let row = sqlx::query(AssertSqlSafe(self.window.clone()))
+            .bind(cap.name.clone())
+            .bind(now - budget.per_ms)
+            .fetch_one(&mut *c)
+            .await?;
+        let used: i64 = row.try_get("used")?;
+        let oldest: i64 = row.try_get("oldest")?;
+        let day_used: i64 = match budget.day {
+            Some((start, _)) => sqlx::query(AssertSqlSafe(self.day.clone()))
+                .bind(cap.name.clone())
+                .bind(start)
+                .fetch_one(&mut *c)
+                .await?
+                .try_get("used")?,
+            None => 0,
+        };
+        Ok((
+            budget,
+            used.max(0) as u64,
+            (oldest >= 0).then_some(oldest),
+            day_used.max(0) as u64,
+        ))
     }
 }

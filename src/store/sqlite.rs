@@ -30,7 +30,7 @@ use super::{
     insert::{self, Param},
     migrations::SQLITE,
     rows::{self, finalize_json, held_json, locks_json},
-    shared::{self, portable, FeedbackQueries, Queries, Shared},
+    shared::{self, portable, FeedbackQueries, LimitQueries, Queries, Shared},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, MailContent, NewMail,
     QueuedMail, Result, StaleRow,
 };
@@ -338,6 +338,13 @@ DELETE FROM mail_suppression WHERE expires_at < strftime('%Y-%m-%d %H:%M:%f', 'n
 "#,
 };
 
+static LIMITS: LimitQueries = LimitQueries {
+    now: "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+    ensure: "INSERT OR IGNORE INTO mail_limit (name) VALUES (?1)",
+    lock_suffix: "",
+    held_by: "q.thread_lock = mail_limit_use.thread_lock",
+};
+
 static QUERIES: Queries = Queries {
     placeholder: |i| format!("?{i}"),
     status_counts: portable::STATUS_COUNTS,
@@ -485,6 +492,7 @@ impl Dialect for Sqlite {
 
     const QUERIES: &'static Queries = &QUERIES;
     const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
+    const LIMITS: &'static LimitQueries = &LIMITS;
     const UNIT: fn(Duration) -> i64 = shared::millis;
 
     async fn claim(

@@ -115,6 +115,14 @@ impl Worker {
                 {
                     tracing::warn!(error = %e, "retention purge of reports failed");
                 }
+                // Send cap reservations that no window counts any more
+                // (DESIGN §16).
+                if !self.caps.is_empty() {
+                    let keep = self.caps.longest_window() + Duration::from_secs(60);
+                    if let Err(e) = self.store.purge_cap_uses(keep).await {
+                        tracing::warn!(error = %e, "purge of send cap reservations failed");
+                    }
+                }
                 match self.store.maintain().await {
                     Ok(Some(Maintenance::Vacuumed {
                         dead_rows,
@@ -148,6 +156,7 @@ impl Worker {
         loop {
             let stopping = stop.is_cancelled();
             reported = self.report_daemon(reported).await;
+            self.refresh_caps().await;
             if stopping {
                 break;
             }

@@ -21,10 +21,12 @@
 //! - [`chores`]: lock renewal, stale-lock sweeps, purge, watchdog.
 //! - [`retry`]: backoff arithmetic.
 //! - [`suppression`]: recipients on the suppression list left out.
+//! - [`limits`]: send caps: room reserved at claim, settled after the outcome.
 
 mod budget;
 mod chores;
 mod held;
+mod limits;
 pub mod outcome;
 pub mod pace;
 mod pipeline;
@@ -134,6 +136,8 @@ pub struct Worker {
     /// be `sending` under a lock nobody holds (see [`Worker::release_lost_claims`]).
     lost_claims: std::sync::Mutex<LostClaims>,
     born: std::time::Instant,
+    /// The send caps shared with every daemon (DESIGN §16).
+    caps: Arc<crate::limits::Caps>,
 }
 
 impl Worker {
@@ -152,10 +156,12 @@ impl Worker {
             retention,
             defaults,
             message_id_domain,
+            crate::limits::Caps::default(),
         )
     }
 
-    /// A worker sending through these routes (DESIGN §13).
+    /// A worker sending through these routes (DESIGN §13), under these
+    /// send caps (DESIGN §16).
     pub fn with_routes(
         store: Arc<dyn Store>,
         routes: Routes,
@@ -163,8 +169,20 @@ impl Worker {
         retention: RetentionSettings,
         defaults: MessageDefaults,
         message_id_domain: String,
+        caps: crate::limits::Caps,
     ) -> Arc<Worker> {
+        let metrics = Arc::new(Metrics::new(
+            &routes.iter().map(|(_, r)| r.label()).collect::<Vec<_>>(),
+        ));
+        for cap in caps.iter() {
+            metrics.cap_use(&crate::store::CapUse {
+                name: cap.name.clone(),
+                used: 0,
+                max: cap.max,
+            });
+        }
         Arc::new(Worker {
+            caps: Arc::new(caps),
             policy: Policy {
                 ambiguous: settings.ambiguous,
                 retry_base: settings.retry_base,
@@ -172,9 +190,7 @@ impl Worker {
                 relay_down_limit: settings.relay_down_limit,
             },
             pace: Pace::new(settings.rate_limit),
-            metrics: Arc::new(Metrics::new(
-                &routes.iter().map(|(_, r)| r.label()).collect::<Vec<_>>(),
-            )),
+            metrics,
             db_answered_ms: AtomicU64::new(0),
             lost_claims: Default::default(),
             daemon_id: uuid::Uuid::new_v4(),
@@ -327,6 +343,7 @@ impl Worker {
         // important ones first.
         mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
         self.read_suppression(&mut mails).await;
+        self.reserve_caps(&mut mails).await;
         Ok(mails)
     }
 

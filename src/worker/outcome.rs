@@ -97,6 +97,9 @@ pub enum Hold {
     /// The row names a route no configuration has (DESIGN §13): a
     /// configuration fault, the mail waits unspent.
     UnknownRoute(String),
+    /// A send cap has no room for it (DESIGN §16): it waits, unspent,
+    /// until room frees.
+    OverCap { cap: String, wait: Duration },
 }
 
 /// What the relay's answer tells about the relay as a whole.
@@ -317,6 +320,9 @@ pub fn decide(
             format!("deferred: {domain} asked to slow down"),
             false,
         ),
+        Attempt::Held(Hold::OverCap { cap, wait }) => {
+            deferred(*wait, format!("deferred: send cap {cap} reached"), false)
+        }
     }
 }
 
@@ -362,6 +368,7 @@ pub fn stage_key(attempt: &Attempt) -> Option<&'static str> {
         // sender, which `status` and the console would call them.
         Attempt::Held(Hold::RoutePaused { .. }) => Some("route_down"),
         Attempt::Held(Hold::UnknownRoute(_)) => Some("route"),
+        Attempt::Held(Hold::OverCap { .. }) => Some("limit"),
         Attempt::Suppressed => Some("suppression"),
         Attempt::Held(_) => None,
     }

@@ -24,7 +24,7 @@ use tracing::Instrument;
 use crate::{
     mail,
     smtp::{Outgoing, Session, Stage},
-    store::{Event, FinalAction, Finalize, StoreError},
+    store::{CapCheck, Event, FinalAction, Finalize, StoreError},
 };
 
 use super::{
@@ -61,6 +61,9 @@ pub(super) struct Done {
     pub(super) span: tracing::Span,
     /// Its attachments' bytes, counted when it is written as sent.
     pub(super) attachment_bytes: u64,
+    /// It holds room under the send caps (DESIGN §16), and whether its
+    /// send surely did not go out (the room is given back).
+    pub(super) cap_unsent: Option<bool>,
 }
 
 impl Done {
@@ -335,6 +338,8 @@ impl Worker {
             relay,
             span: ready.span.clone(),
             attachment_bytes: mail.sizes.attachment_bytes,
+            cap_unsent: (mail.caps == CapCheck::Reserved)
+                .then(|| super::limits::surely_unsent(&attempt)),
         }
     }
 
@@ -446,6 +451,7 @@ impl Worker {
             }
         }
         self.held.remove(group.iter().map(|d| d.id));
+        self.settle_group(group).await;
         Ok(group
             .iter()
             .map(|d| {
@@ -459,6 +465,19 @@ impl Worker {
                 ok
             })
             .collect())
+    }
+
+    /// The send caps' reservations of these outcomes, once written.
+    async fn settle_group(&self, group: &[Done]) {
+        let (mut sent, mut unsent) = (Vec::new(), Vec::new());
+        for d in group {
+            match d.cap_unsent {
+                Some(true) => unsent.push((d.id, d.lock)),
+                Some(false) => sent.push(d.id),
+                None => {}
+            }
+        }
+        self.settle_caps(sent, unsent).await;
     }
 
     /// Runs the lanes and the finalizer on `queue` while `feed` fills it,
@@ -565,6 +584,7 @@ impl Worker {
                     for d in &decided {
                         log_outcome(d, done.contains(&d.id));
                     }
+                    self.settle_group(&decided).await;
                     self.held.remove(writes.iter().map(|w| w.id));
                     return;
                 }

@@ -12,7 +12,7 @@ use tracing::Instrument;
 use crate::{
     mail::{self, MailError, MessageDefaults, PreparedMail},
     smtp::Outgoing,
-    store::{Attachment, MailContent, MailSizes, QueuedMail, SuppressionCheck},
+    store::{Attachment, CapCheck, MailContent, MailSizes, QueuedMail, SuppressionCheck},
 };
 
 use super::{
@@ -197,18 +197,7 @@ impl Worker {
         if mail.suppression == SuppressionCheck::Unavailable {
             return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
         }
-        let from_domain = content
-            .from_address
-            .as_deref()
-            .filter(|a| !a.trim().is_empty())
-            .and_then(|a| a.trim().trim_end_matches('>').rsplit_once('@'))
-            .map(|(_, d)| d.to_string())
-            .or_else(|| {
-                self.defaults
-                    .from_address
-                    .as_ref()
-                    .map(|a| a.domain().to_string())
-            });
+        let from_domain = self.sender_domain(&content);
         let route = match self
             .routes
             .pick(content.route.as_deref(), from_domain.as_deref())
@@ -216,6 +205,26 @@ impl Worker {
             Ok(route) => route,
             Err(name) => return Ready::held(mail, Attempt::Held(Hold::UnknownRoute(name))),
         };
+        // A large row's sender and recipients came only now: its own
+        // reservation.
+        if mail.caps == CapCheck::Unchecked {
+            mail.content = Some(content);
+            self.reserve_caps(std::slice::from_mut(&mut mail)).await;
+            content = mail.content.take().expect("just put there");
+        }
+        match &mail.caps {
+            CapCheck::Over { cap, wait } => {
+                let hold = Hold::OverCap {
+                    cap: cap.clone(),
+                    wait: *wait,
+                };
+                return Ready::held(mail, Attempt::Held(hold));
+            }
+            CapCheck::Unavailable => {
+                return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable))
+            }
+            _ => {}
+        }
         let attachments = match mail.sizes.attachments {
             0 => Vec::new(),
             _ => match self.store.load_attachments(mail.id).await {

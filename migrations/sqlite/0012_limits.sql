@@ -1,0 +1,19 @@
+-- Send caps shared by every daemon (DESIGN §16). mail_limit has one row per
+-- configured cap; SQLite has one writer at a time (BEGIN IMMEDIATE), which
+-- serializes reservations. mail_limit_use has one row per mail a cap
+-- counted, under the claim's lock; times are milliseconds since the epoch by
+-- the database clock. A reservation counts while sent_ms is NULL (its mail
+-- may still go out) and then for one window after sent_ms (when it was known
+-- sent, or found no longer held).
+CREATE TABLE mail_limit (
+    name TEXT PRIMARY KEY
+);
+CREATE TABLE mail_limit_use (
+    limit_name  TEXT    NOT NULL,
+    mail_id     INTEGER NOT NULL,
+    thread_lock TEXT    NOT NULL,
+    reserved_ms INTEGER NOT NULL,
+    sent_ms     INTEGER,
+    PRIMARY KEY (limit_name, mail_id, thread_lock)
+);
+CREATE INDEX mail_limit_use_sent_idx ON mail_limit_use (limit_name, sent_ms);
