@@ -187,8 +187,11 @@ warmup_start = "{today}"
 "#
         ),
     );
-    let port = free_port();
-    let listen = format!("127.0.0.1:{port}");
+    let (port, console_port) = (free_port(), free_port());
+    let (listen, console) = (
+        format!("127.0.0.1:{port}"),
+        format!("127.0.0.1:{console_port}"),
+    );
     for i in 0..6 {
         db.enqueue(mail(&format!("user{i}@example.org"), &format!("m{i}")))
             .await;
@@ -198,7 +201,10 @@ warmup_start = "{today}"
         env(
             &db,
             &smtp,
-            &[("TABLEMAIL__METRICS__LISTEN", listen.as_str())],
+            &[
+                ("TABLEMAIL__METRICS__LISTEN", listen.as_str()),
+                ("TABLEMAIL__CONSOLE__LISTEN", console.as_str()),
+            ],
         ),
     );
     eventually(
@@ -230,6 +236,11 @@ warmup_start = "{today}"
         metrics.contains("tablemail_limit_used{limit=\"new-domain\"} 3")
             && metrics.contains("tablemail_limit_max{limit=\"new-domain\"} 3"),
         "{metrics}"
+    );
+    let overview = http::get(console_port, "/", None).body;
+    assert!(
+        overview.contains("data-field=\"limit-new-domain\"") && overview.contains("3 of 3"),
+        "{overview}"
     );
     let reached = daemon.logged("send cap reached: mails it counts wait");
     assert_eq!(reached.len(), 1, "once per crossing");

@@ -50,6 +50,15 @@ struct RouteRow {
     has_fallback: bool,
 }
 
+/// A send cap's use (DESIGN §16), as the daemon last read it.
+struct CapRow {
+    name: String,
+    used: u64,
+    max: u64,
+    /// `ok`, `near` (90% or more) or `reached`.
+    state: &'static str,
+}
+
 #[derive(Template)]
 #[template(path = "overview.html", config = "src/http/askama.toml")]
 struct OverviewPage {
@@ -69,6 +78,8 @@ struct OverviewPage {
     relay_trouble: Option<String>,
     /// Each route but the default, when there are any (DESIGN §13).
     routes: Vec<RouteRow>,
+    /// Each send cap, when there are any.
+    caps: Vec<CapRow>,
     relay_active: &'static str,
     has_fallback: bool,
     redirect: Option<String>,
@@ -186,6 +197,23 @@ pub(super) async fn overview(State(console): State<Arc<Console>>, headers: Heade
                 })
                 .collect()
         },
+        caps: observed
+            .metrics
+            .cap_uses()
+            .into_iter()
+            .map(|c| CapRow {
+                state: if c.used >= c.max {
+                    "reached"
+                } else if c.used * 10 >= c.max * 9 {
+                    "near"
+                } else {
+                    "ok"
+                },
+                name: c.name,
+                used: c.used,
+                max: c.max,
+            })
+            .collect(),
         relay_active: match transport.active() {
             Role::Primary => "primary",
             Role::Fallback => "fallback",
