@@ -29,7 +29,9 @@
 //!   hit them one at a time, every `--chaos-every` (2m): a daemon killed, the
 //!   database restarted, the relay down, the relay answering 421, the
 //!   database's and the relay's connections blackholed; then what was lost or
-//!   sent twice (`throughput/chaos.rs`).
+//!   sent twice (`throughput/chaos.rs`);
+//! - with `--limit-unreached`: drains under one send cap never reached
+//!   against drains without caps, in pairs (`throughput/limits.rs`).
 //!
 //! The ceiling and the drains are measured `--runs` times (3) and reported as
 //! median (lowest–highest): this machine's speed wanders by ±15% from minute
@@ -42,7 +44,8 @@
 //! `--attachment-kb N` (every drained mail carries one PDF-like attachment
 //! of N KB; the ceiling is measured with messages of the same size),
 //! `--bin PATH` (another build of the daemon, for before/after figures),
-//! `--daemons N,N,…`, `--chaos` and `--chaos-every DURATION` (with `--soak`).
+//! `--daemons N,N,…`, `--chaos` and `--chaos-every DURATION` (with `--soak`),
+//! `--limit-unreached`.
 
 use std::{
     io::{BufRead, BufReader, Read},
@@ -66,6 +69,8 @@ use tablemail::store::{self, BatchLock, Claim, FinalAction, Finalize, Store};
 mod chaos;
 #[path = "throughput/feedback.rs"]
 mod feedback;
+#[path = "throughput/limits.rs"]
+mod limits;
 #[allow(dead_code)]
 #[path = "../tests/support/proxy.rs"]
 mod proxy;
@@ -75,6 +80,8 @@ mod routes;
 mod scale;
 
 const BODY_BYTES: usize = 2048;
+/// In a drain's environment, not a variable: the daemon's `--config FILE`.
+const CONFIG_ARG: &str = "--config";
 
 struct Options {
     database: String,
@@ -103,6 +110,9 @@ struct Options {
     reports: Option<usize>,
     /// `--routes`: paired drains through two routes and through one.
     routes: bool,
+    /// `--limit-unreached`: paired drains under one send cap never reached
+    /// and without caps.
+    limit_unreached: bool,
 }
 
 fn options() -> Options {
@@ -150,6 +160,7 @@ fn options() -> Options {
         suppressed: value("--suppressed").map(|v| v.parse().expect("--suppressed N")),
         reports: value("--reports").map(|v| v.parse().expect("--reports N")),
         routes: args.iter().any(|a| a == "--routes"),
+        limit_unreached: args.iter().any(|a| a == "--limit-unreached"),
         chaos: args.iter().any(|a| a == "--chaos").then(|| {
             value("--chaos-every").map_or(Duration::from_secs(120), |v| {
                 humantime::parse_duration(&v).expect("--chaos-every DURATION")
@@ -766,14 +777,14 @@ impl Daemon {
     fn spawn(tablemail: &Path, dir: &Path, name: &str, env: &[(&str, String)]) -> Daemon {
         let log = dir.join(format!("{name}.log"));
         let mut cmd = Command::new(tablemail);
-        if let Some((_, config)) = env.iter().find(|(k, _)| *k == "TABLEMAIL_BENCH_CONFIG") {
-            cmd.arg("--config").arg(config);
+        if let Some((_, config)) = env.iter().find(|(k, _)| *k == CONFIG_ARG) {
+            cmd.args([CONFIG_ARG, config]);
         }
         cmd.arg("run")
             .env("TABLEMAIL__DEFAULTS__FROM_ADDRESS", "bench@example.com")
             .stdout(std::fs::File::create(&log).unwrap())
             .stderr(Stdio::inherit());
-        for (k, v) in env {
+        for (k, v) in env.iter().filter(|(k, _)| *k != CONFIG_ARG) {
             cmd.env(k, v);
         }
         let started = Instant::now();
@@ -1046,7 +1057,7 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
             ),
         )
         .unwrap();
-        env.push(("TABLEMAIL_BENCH_CONFIG", config.display().to_string()));
+        env.push((CONFIG_ARG, config.display().to_string()));
     }
     let daemon = Daemon::start(setup.tablemail, setup.dir, "drain", &env);
     let settle = Duration::from_secs(30);
@@ -1683,6 +1694,10 @@ async fn main() {
     if opts.routes {
         let pairs = routes::route_cost(&setup, opts.mails, opts.runs).await;
         routes::report(&pairs);
+    }
+    if opts.limit_unreached {
+        let pairs = limits::limit_cost(&setup, opts.mails, opts.runs).await;
+        limits::limit_report(&pairs);
     }
     if let Some(n) = opts.reports {
         let rates = feedback::report_rates(&setup, n).await;

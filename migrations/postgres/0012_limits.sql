@@ -4,9 +4,12 @@
 -- one row per mail a cap counted, under the claim's lock; times are
 -- milliseconds since the epoch by the database clock. A reservation counts
 -- while sent_ms is NULL (its mail may still go out) and then for one window
--- after sent_ms (when it was known sent, or found no longer held).
+-- after sent_ms (when it was known sent, or found no longer held). bound is
+-- never less than what the cap counts: while bound plus a claim's mails fit
+-- under max, a reservation needs no count.
 CREATE TABLE mail_limit (
-    name text PRIMARY KEY
+    name  text   PRIMARY KEY,
+    bound bigint NOT NULL DEFAULT 0
 );
 CREATE TABLE mail_limit_use (
     limit_name  text   NOT NULL,
@@ -14,6 +17,6 @@ CREATE TABLE mail_limit_use (
     thread_lock text   NOT NULL,
     reserved_ms bigint NOT NULL,
     sent_ms     bigint,
-    PRIMARY KEY (limit_name, mail_id, thread_lock)
+    PRIMARY KEY (mail_id, limit_name, thread_lock)
 );
 CREATE INDEX mail_limit_use_sent_idx ON mail_limit_use (limit_name, sent_ms);

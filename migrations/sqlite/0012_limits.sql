@@ -4,9 +4,12 @@
 -- counted, under the claim's lock; times are milliseconds since the epoch by
 -- the database clock. A reservation counts while sent_ms is NULL (its mail
 -- may still go out) and then for one window after sent_ms (when it was known
--- sent, or found no longer held).
+-- sent, or found no longer held). bound is never less than what the cap
+-- counts: while bound plus a claim's mails fit under max, a reservation
+-- needs no count.
 CREATE TABLE mail_limit (
-    name TEXT PRIMARY KEY
+    name  TEXT    PRIMARY KEY,
+    bound INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE mail_limit_use (
     limit_name  TEXT    NOT NULL,
@@ -14,6 +17,6 @@ CREATE TABLE mail_limit_use (
     thread_lock TEXT    NOT NULL,
     reserved_ms INTEGER NOT NULL,
     sent_ms     INTEGER,
-    PRIMARY KEY (limit_name, mail_id, thread_lock)
+    PRIMARY KEY (mail_id, limit_name, thread_lock)
 );
 CREATE INDEX mail_limit_use_sent_idx ON mail_limit_use (limit_name, sent_ms);

@@ -69,6 +69,9 @@ pub struct CapAnswer {
     pub granted: Vec<i64>,
     /// The mails this cap itself had no room for.
     pub turned_away: Vec<i64>,
+    /// `used` was counted now; otherwise it is a bound, never less than
+    /// the count (far from the maximum, nothing is counted).
+    pub counted: bool,
     /// What it counts now, reservations just made included, and the
     /// maximum that count is held to (the day's during warm-up).
     pub used: u64,

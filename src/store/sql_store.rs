@@ -861,12 +861,27 @@ where
                             }
                         };
                         let now: i64 = locked.try_get("now_ms")?;
-                        sqlx::query(AssertSqlSafe(sql.sweep.clone()))
-                            .bind(cap.name.clone())
-                            .execute(&mut *tx)
-                            .await?;
-                        let (budget, used, oldest, day_used) =
-                            sql.count::<D::DB>(&mut tx, cap, now).await?;
+                        let bound = locked.try_get::<i64, _>("bound")?.max(0) as u64;
+                        let budget = cap.budget(now);
+                        let asked = cap
+                            .mails
+                            .iter()
+                            .filter(|m| !turned_away.contains(m))
+                            .count() as u64;
+                        // `bound` is never below what the cap counts: while
+                        // the claim fits under it, nothing needs counting.
+                        let counted = budget.day.is_some() || bound + asked > budget.max;
+                        let (used, oldest, day_used) = if counted {
+                            sqlx::query(AssertSqlSafe(sql.sweep.clone()))
+                                .bind(cap.name.clone())
+                                .execute(&mut *tx)
+                                .await?;
+                            let (_, used, oldest, day_used) =
+                                sql.count::<D::DB>(&mut tx, cap, now).await?;
+                            (used, oldest, day_used)
+                        } else {
+                            (bound, None, 0)
+                        };
                         let (space, _) = room(&budget, now, used, oldest, day_used);
                         let granted: Vec<i64> = cap
                             .mails
@@ -894,6 +909,11 @@ where
                             query.execute(&mut *tx).await?;
                         }
                         let g = granted.len() as u64;
+                        sqlx::query(AssertSqlSafe(sql.set_bound.clone()))
+                            .bind((used + g) as i64)
+                            .bind(cap.name.clone())
+                            .execute(&mut *tx)
+                            .await?;
                         let (_, frees_at) = room(&budget, now, used + g, oldest, day_used + g);
                         let (used, max) = match budget.day {
                             Some((_, day_max)) if day_max < budget.max => (day_used + g, day_max),
@@ -903,6 +923,7 @@ where
                             name: cap.name.clone(),
                             granted,
                             turned_away: refused,
+                            counted,
                             used,
                             max,
                             frees_in: Duration::from_millis((frees_at - now).max(0) as u64),
@@ -951,6 +972,15 @@ where
         self.shared
             .run(move |c| {
                 Box::pin(async move {
+                    if by_lock.is_empty() {
+                        // One statement: no transaction needed.
+                        let mut query = sqlx::query(AssertSqlSafe(sql.settle(sent.len())));
+                        for id in &sent {
+                            query = query.bind(*id);
+                        }
+                        query.execute(&mut *c).await?;
+                        return Ok(());
+                    }
                     let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
                     if !sent.is_empty() {
                         let mut query = sqlx::query(AssertSqlSafe(sql.settle(sent.len())));
@@ -1101,6 +1131,8 @@ struct LimitSql {
     lock: String,
     /// ($1 name): pending reservations no longer held are counted from now.
     sweep: String,
+    /// ($1 bound, $2 name).
+    set_bound: String,
     /// ($1 name, $2 after) -> `used`, `oldest` (-1: none settled).
     window: String,
     /// ($1 name, $2 day start) -> `used`.
@@ -1119,7 +1151,7 @@ impl LimitSql {
             now: format!("SELECT {now} AS now_ms"),
             ensure: q.ensure,
             lock: format!(
-                "SELECT name, {now} AS now_ms FROM mail_limit WHERE name = {p1}{}",
+                "SELECT name, bound, {now} AS now_ms FROM mail_limit WHERE name = {p1}{}",
                 q.lock_suffix
             ),
             sweep: format!(
@@ -1129,6 +1161,7 @@ impl LimitSql {
                  AND q.status = 'sending' AND {})",
                 q.held_by
             ),
+            set_bound: format!("UPDATE mail_limit SET bound = {p1} WHERE name = {p2}"),
             window: format!(
                 "SELECT COUNT(*) AS used, COALESCE(MIN(sent_ms), -1) AS oldest \
                  FROM mail_limit_use WHERE limit_name = {p1} AND (sent_ms IS NULL OR sent_ms > {p2})"

@@ -114,13 +114,15 @@ impl Worker {
             }
         };
         for answer in &answers {
-            let cap_use = crate::store::CapUse {
-                name: answer.name.clone(),
-                used: answer.used,
-                max: answer.max,
-            };
-            self.metrics.cap_use(&cap_use);
-            self.caps.observe(&cap_use);
+            if answer.counted {
+                let cap_use = crate::store::CapUse {
+                    name: answer.name.clone(),
+                    used: answer.used,
+                    max: answer.max,
+                };
+                self.metrics.cap_use(&cap_use);
+                self.caps.observe(&cap_use);
+            }
             for id in &answer.turned_away {
                 if let Some(mail) = mails.iter_mut().find(|m| m.id == *id) {
                     if mail.caps == CapCheck::Reserved {
