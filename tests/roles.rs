@@ -10,8 +10,9 @@ use std::time::Duration;
 
 use support::*;
 use tablemail::store::{
-    BatchLock, CapRequest, Claim, DaemonBeat, Event, EventOutcome, FinalAction, Finalize,
-    MailLookup, RetrySelection,
+    BatchLock, CapRequest, Claim, DaemonBeat, Event, EventOutcome, FeedbackItem, FeedbackKind,
+    FeedbackRecord, FeedbackSource, FinalAction, Finalize, MailLookup, NewSuppression,
+    RetrySelection, SuppressionFilter, SuppressionPolicy, SuppressionReason,
 };
 
 /// The SQL block of the README that follows `<!-- marker -->`.
@@ -167,6 +168,67 @@ async fn the_readme_roles_are_enough_for_the_application_and_the_daemon() {
         .await
         .unwrap();
     store.daemons().await.unwrap();
+    // The delivery loop (DESIGN §12): the list read at every claim, written
+    // by reports and by `suppress`; reports counted and purged.
+    store
+        .suppressed_among(&["ann@example.org".into()])
+        .await
+        .unwrap();
+    let entry = NewSuppression {
+        address: "gone@example.org".into(),
+        reason: SuppressionReason::Manual,
+        detail: None,
+        expires_in: None,
+    };
+    assert_eq!(store.suppress(&[entry]).await.unwrap(), 1);
+    let listed = store
+        .suppression_list(&SuppressionFilter::default(), None, 10)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        store
+            .unsuppress(&["gone@example.org".into()])
+            .await
+            .unwrap(),
+        1
+    );
+    store
+        .record_feedback(&FeedbackRecord {
+            source: FeedbackSource::Ingest,
+            size: 100,
+            raw: None,
+            items: vec![FeedbackItem {
+                mail_id: Some(m.id),
+                recipient: Some("ann@example.org".into()),
+                kind: FeedbackKind::HardBounce,
+                status: Some("5.1.1".into()),
+                diagnostic: None,
+                matched: true,
+                smtp_code: Some(550),
+            }],
+            sent_to: vec!["ann@example.org".into()],
+            policy: SuppressionPolicy::default(),
+            event_key: Some(format!("roles-{suffix}")),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        store
+            .suppressed_among(&["ann@example.org".into()])
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "the hard bounce suppressed its address"
+    );
+    store
+        .feedback_counts(Duration::from_secs(3600))
+        .await
+        .unwrap();
+    db.exec("UPDATE mail_feedback SET received_at = now() - interval '1 minute'")
+        .await;
+    assert_eq!(store.purge_feedback(Duration::ZERO, 100).await.unwrap(), 1);
     // Retention deletes the mail with its attachments and history.
     db.exec("UPDATE mail_queue SET processed_at = now() - interval '1 minute'")
         .await;
