@@ -104,7 +104,10 @@ async fn metrics_and_health_over_http() {
         ),
         Some(6.0)
     );
-    assert_eq!(sample(&metrics, r#"tablemail_relay_up{route="default"}"#), Some(1.0));
+    assert_eq!(
+        sample(&metrics, r#"tablemail_relay_up{route="default"}"#),
+        Some(1.0)
+    );
     assert_eq!(sample(&metrics, "tablemail_database_up"), Some(1.0));
     assert_eq!(
         sample(&metrics, "tablemail_oldest_due_age_seconds"),
