@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     conns::Conns,
     shared::{FeedbackQueries, Queries, Shared},
+    templates::TemplateQueries,
     Backend, BatchLock, ClaimBinds, Enqueued, Finalize, Finished, Maintenance, NewMail, QueuedMail,
     Result, StaleRow,
 };
@@ -30,6 +31,8 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
     const QUERIES: &'static Queries;
     /// The delivery loop's SQL.
     const FEEDBACK: &'static FeedbackQueries;
+    /// The SQL of templates (DESIGN §15).
+    const TEMPLATES: &'static TemplateQueries;
     /// Durations as its SQL counts them.
     const UNIT: fn(Duration) -> i64;
 

@@ -17,6 +17,7 @@
 //! - [`new_mail`]: what applications insert.
 //! - [`records`]: what operators read back and do.
 //! - [`feedback`]: reports, their history rows, the suppression list.
+//! - `templates`: the rows of `mail_template` (DESIGN §15).
 //! - [`error`]: [`StoreError`], by what to do about it.
 //! - `dialect`: what each database does its own way.
 //! - `sql_store`: the one `Store`, written once over any dialect.
@@ -47,6 +48,7 @@ mod rows;
 mod shared;
 mod sql_store;
 mod sqlite;
+mod templates;
 
 pub(crate) use claim::ClaimBinds;
 pub use claim::{
@@ -67,6 +69,7 @@ pub use records::{
     MailLookup, MailRecord, MailSummary, Maintenance, MinuteCount, QueueStats, RecentFailure,
     RetrySelection, StatusCount, RETRY_ATTEMPTS, SILENT_AFTER_SECONDS, STATUSES,
 };
+pub use templates::{NewTemplate, TemplateRow, TemplateVersion};
 
 /// The database a `database.url` points at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,6 +295,16 @@ pub trait Store: Send + Sync + 'static {
     /// Deletes up to `limit` reports older than `older_than`, and the
     /// suppression entries that have expired.
     async fn purge_feedback(&self, older_than: Duration, limit: usize) -> Result<u64>;
+
+    /// The key and last change of every template (DESIGN §15): what the
+    /// daemon reads once per claim batch that names a template.
+    async fn template_versions(&self) -> Result<Vec<TemplateVersion>>;
+
+    /// Every template, by name and locale.
+    async fn templates(&self) -> Result<Vec<TemplateRow>>;
+
+    /// Inserts or replaces a template; its `updated_at` becomes now.
+    async fn put_template(&self, template: &NewTemplate) -> Result<()>;
 }
 
 /// Connects to the database named by `url` (the pool connects lazily).

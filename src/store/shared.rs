@@ -191,6 +191,7 @@ pub(crate) struct Shared<DB: Database> {
     pub deadline: Duration,
     pub queries: &'static Queries,
     pub feedback: &'static FeedbackQueries,
+    pub templates: &'static super::templates::TemplateQueries,
     /// Durations as the backend's SQL counts them.
     pub unit: fn(Duration) -> i64,
     pub migrator: Migrator,
@@ -212,6 +213,7 @@ impl<DB: Database> Shared<DB> {
             deadline,
             queries: D::QUERIES,
             feedback: D::FEEDBACK,
+            templates: D::TEMPLATES,
             unit: D::UNIT,
             migrator: super::migrations::migrator(migrations),
             begin_write,
