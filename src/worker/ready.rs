@@ -13,6 +13,7 @@ use crate::{
     mail::{self, MailError, MessageDefaults, PreparedMail},
     smtp::Outgoing,
     store::{Attachment, MailContent, MailSizes, QueuedMail, SuppressionCheck},
+    templates::{self, Catalog},
 };
 
 use super::{
@@ -83,13 +84,50 @@ fn draft<'a>(
     }
 }
 
-/// Builds the message of a row whose columns are at hand.
+/// Fills what a templated row leaves empty (subject, text, HTML) from its
+/// template (DESIGN §15); the parts the row has are kept.
+fn render(
+    content: &mut MailContent,
+    catalog: &Catalog,
+    defaults: &MessageDefaults,
+) -> Result<(), MailError> {
+    let Some(name) = content.template.as_deref() else {
+        return Ok(());
+    };
+    let empty = |part: &Option<String>| part.as_deref().is_none_or(str::is_empty);
+    let rendered = catalog.render(&templates::Request {
+        name,
+        locale: content.locale.as_deref(),
+        data: content.template_data.as_deref(),
+        subject: content.subject.trim().is_empty(),
+        text: empty(&content.body),
+        html: empty(&content.body_html),
+        max_output: defaults.max_message_size,
+    })?;
+    if let Some(subject) = rendered.subject {
+        content.subject = subject;
+    }
+    if rendered.text.is_some() {
+        content.body = rendered.text;
+    }
+    if rendered.html.is_some() {
+        content.body_html = rendered.html;
+    }
+    Ok(())
+}
+
+/// Builds the message of a row whose columns are at hand, rendering its
+/// template first if it names one.
 fn build(
     mail: &QueuedMail,
-    content: &MailContent,
+    content: &mut MailContent,
     attachments: &[Attachment],
     defaults: &MessageDefaults,
+    catalog: Option<&Catalog>,
 ) -> Result<PreparedMail, MailError> {
+    if let Some(catalog) = catalog {
+        render(content, catalog, defaults)?;
+    }
     let parts: Vec<mail::Attachment<'_>> = attachments
         .iter()
         .map(|a| mail::Attachment {
@@ -226,9 +264,24 @@ impl Worker {
                 }
             },
         };
+        // A templated mail is rendered with the catalog of now; a template
+        // the catalog lacks while the table could not be read waits.
+        let catalog = match &content.template {
+            None => None,
+            Some(name) => {
+                let catalog = self.templates.catalog();
+                let wanted = content.locale.as_deref().unwrap_or("");
+                if catalog.find(name, wanted).is_none() && self.templates.unavailable() {
+                    return Ready::held(mail, Attempt::Held(Hold::DatabaseUnavailable));
+                }
+                Some(catalog)
+            }
+        };
         let large = mail.sizes.content + mail.sizes.attachment_bytes >= BUILD_IN_PLACE_LIMIT;
-        if self.defaults.dkim.is_none() && !large {
-            let prepared = build(&mail, &content, &attachments, &self.defaults)
+        // Rendering is bounded but may take milliseconds: never in place.
+        if self.defaults.dkim.is_none() && !large && catalog.is_none() {
+            let mut content = content;
+            let prepared = build(&mail, &mut content, &attachments, &self.defaults, None)
                 .map_err(Attempt::Invalid)
                 .and_then(|p| self.envelope(&mail, p));
             return Ready {
@@ -241,8 +294,15 @@ impl Worker {
         }
         let defaults = self.defaults.clone();
         let built = tokio::task::spawn_blocking(move || {
+            let mut content = content;
             let prepared = std::panic::catch_unwind(AssertUnwindSafe(|| {
-                build(&mail, &content, &attachments, &defaults)
+                build(
+                    &mail,
+                    &mut content,
+                    &attachments,
+                    &defaults,
+                    catalog.as_deref(),
+                )
             }))
             .unwrap_or_else(|panic| Err(MailError::Build(panic_text(&panic))));
             (mail, prepared)
