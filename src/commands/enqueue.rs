@@ -236,16 +236,17 @@ async fn check_templates(
             .template_data
             .as_ref()
             .map(|d| serde_json::Value::Object(d.clone()).to_string());
-        let empty = |part: &Option<String>| part.as_deref().is_none_or(str::is_empty);
-        let request = crate::templates::Request {
+        let request = crate::templates::Request::filling(
             name,
-            locale: new.locale.as_deref(),
-            data: data.as_deref(),
-            subject: new.subject.as_deref().is_none_or(|s| s.trim().is_empty()),
-            text: empty(&new.body),
-            html: empty(&new.body_html),
-            max_output: defaults.max_message_size,
-        };
+            new.locale.as_deref(),
+            data.as_deref(),
+            (
+                new.subject.as_deref().unwrap_or_default(),
+                new.body.as_deref(),
+                new.body_html.as_deref(),
+            ),
+            defaults.max_message_size,
+        );
         catalog.render(&request).map_err(|e| match mails.len() {
             1 => CommandError::Usage(e.to_string()),
             _ => CommandError::Usage(format!("mail {}: {e}", n + 1)),

@@ -51,9 +51,7 @@ pub(super) async fn template(settings: &Settings, command: TemplateCommand) -> R
         }
         TemplateCommand::Show { name, locale } => {
             let rows = store.templates().await?;
-            let found = crate::templates::locale_chain(&locale)
-                .find_map(|l| rows.iter().find(|t| t.name == name && t.locale == l));
-            let Some(t) = found else {
+            let Some(t) = crate::templates::pick(&rows, &name, &locale) else {
                 return Err(CommandError::Runtime(format!(
                     "template {name:?} does not exist (locale {locale:?} or a fallback)"
                 )));

@@ -97,6 +97,34 @@ pub struct Request<'a> {
     pub max_output: u64,
 }
 
+impl<'a> Request<'a> {
+    /// What a row asks of template `name`: the parts it leaves empty
+    /// (NULL or `''`; a blank subject).
+    pub fn filling(
+        name: &'a str,
+        locale: Option<&'a str>,
+        data: Option<&'a str>,
+        row: (&str, Option<&str>, Option<&str>),
+        max_output: u64,
+    ) -> Request<'a> {
+        let (subject, text, html) = row;
+        Request {
+            name,
+            locale,
+            data,
+            subject: subject.trim().is_empty(),
+            text: text.is_none_or(str::is_empty),
+            html: html.is_none_or(str::is_empty),
+            max_output,
+        }
+    }
+}
+
+/// The row of template `name` a mail in `locale` is rendered with.
+pub fn pick<'r>(rows: &'r [TemplateRow], name: &str, locale: &str) -> Option<&'r TemplateRow> {
+    locale_chain(locale).find_map(|l| rows.iter().find(|t| t.name == name && t.locale == l))
+}
+
 /// The parts a template gave, and the locale it was found under.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Rendered {

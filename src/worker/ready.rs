@@ -94,16 +94,17 @@ fn render(
     let Some(name) = content.template.as_deref() else {
         return Ok(());
     };
-    let empty = |part: &Option<String>| part.as_deref().is_none_or(str::is_empty);
-    let rendered = catalog.render(&templates::Request {
+    let rendered = catalog.render(&templates::Request::filling(
         name,
-        locale: content.locale.as_deref(),
-        data: content.template_data.as_deref(),
-        subject: content.subject.trim().is_empty(),
-        text: empty(&content.body),
-        html: empty(&content.body_html),
-        max_output: defaults.max_message_size,
-    })?;
+        content.locale.as_deref(),
+        content.template_data.as_deref(),
+        (
+            &content.subject,
+            content.body.as_deref(),
+            content.body_html.as_deref(),
+        ),
+        defaults.max_message_size,
+    ))?;
     if let Some(subject) = rendered.subject {
         content.subject = subject;
     }

@@ -118,10 +118,7 @@ pub(super) async fn template(
         Err(e) => return console.database_error(session.as_ref(), e),
     };
     let locale = query.locale.unwrap_or_default().trim().to_string();
-    let found = templates::locale_chain(&locale)
-        .find_map(|l| rows.iter().find(|t| t.name == name && t.locale == l))
-        .cloned();
-    let Some(found) = found else {
+    let Some(found) = templates::pick(&rows, &name, &locale).cloned() else {
         return console.message(
             StatusCode::NOT_FOUND,
             session.as_ref(),
