@@ -330,7 +330,9 @@ impl Worker {
         // important ones first.
         mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
         self.read_suppression(&mut mails).await;
-        self.refresh_templates(&mails).await;
+        if self.refresh_templates(&mails).await {
+            mails = self.prerender(mails).await;
+        }
         Ok(mails)
     }
 
@@ -338,15 +340,20 @@ impl Worker {
     /// (its content came with the claim and names one, or is loaded later):
     /// one query of the templates' versions, the changed ones read and
     /// compiled. A batch without templates costs nothing.
-    async fn refresh_templates(&self, mails: &[QueuedMail]) {
+    /// Returns whether the templates are at hand for the batch.
+    async fn refresh_templates(&self, mails: &[QueuedMail]) -> bool {
         let named = mails
             .iter()
             .any(|m| m.content.as_ref().is_none_or(|c| c.template.is_some()));
         if !named {
-            return;
+            return false;
         }
-        if let Err(e) = self.templates.refresh(self.store.as_ref()).await {
-            tracing::warn!(error = %e, "could not read the templates: their mails wait");
+        match self.templates.refresh(self.store.as_ref()).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the templates: their mails wait");
+                false
+            }
         }
     }
 
