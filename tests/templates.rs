@@ -166,6 +166,37 @@ async fn renders_parts_escaping_and_locale(db: TestDb) {
         (subject.as_str(), text.as_str()),
         ("Order 43, version 2", "v2")
     );
+
+    // The README's insert, as written there (plain SQL on every backend).
+    db.store
+        .put_template(&template(
+            "order",
+            "de",
+            "Bestellung {{ number }}",
+            "Danke",
+            "",
+        ))
+        .await
+        .unwrap();
+    db.exec(&readme_sql("templates:postgres")).await;
+    let report = worker.process_batch().await.unwrap();
+    assert_eq!(report.sent, 1, "{report:?}");
+    let (subject, text, _) = parts(&received_by(&smtp, "ann@example.org"));
+    assert_eq!(
+        (subject.as_str(), text.as_str()),
+        ("Bestellung 42", "Danke")
+    );
+}
+
+/// The SQL block of the README that follows `<!-- marker -->`.
+fn readme_sql(marker: &str) -> String {
+    let readme = include_str!("../README.md");
+    let block = &readme[readme
+        .find(&format!("<!-- {marker} -->"))
+        .expect("the marker")..];
+    let open = block.find("```sql\n").expect("a SQL block") + "```sql\n".len();
+    let close = block[open..].find("```").expect("its end") + open;
+    block[open..close].to_string()
 }
 
 async fn failures_fail_at_once_and_ordinary_mails_go_on(db: TestDb) {
