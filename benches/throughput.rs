@@ -22,6 +22,9 @@
 //!   (MariaDB) looking every 2 ms, with an idle daemon's CPU a second;
 //! - claim cost: 10k due rows; 50k rows of 2 KB and 1M rows of 200 bytes from
 //!   a burst, before and after ANALYZE; 10k due beside 1M finished rows;
+//! - with `--templates`: order confirmations rendered at send time from
+//!   `mail_template` against the same mails pre-rendered, in pairs
+//!   (`throughput/templates.rs`);
 //! - with `--soak 30m`: throughput per minute under constant load;
 //! - with `--daemons 1,2,4,8`: one burst drained by that many daemons at
 //!   once, against one daemon (`throughput/scale.rs`);
@@ -78,6 +81,8 @@ mod proxy;
 mod routes;
 #[path = "throughput/scale.rs"]
 mod scale;
+#[path = "throughput/templates.rs"]
+mod templates;
 
 const BODY_BYTES: usize = 2048;
 /// In a drain's environment, not a variable: the daemon's `--config FILE`.
@@ -113,6 +118,9 @@ struct Options {
     /// `--limit-unreached`: paired drains under one send cap never reached
     /// and without caps.
     limit_unreached: bool,
+    /// `--templates`: paired drains of order confirmations, templated and
+    /// pre-rendered.
+    templates: bool,
 }
 
 fn options() -> Options {
@@ -161,6 +169,7 @@ fn options() -> Options {
         reports: value("--reports").map(|v| v.parse().expect("--reports N")),
         routes: args.iter().any(|a| a == "--routes"),
         limit_unreached: args.iter().any(|a| a == "--limit-unreached"),
+        templates: args.iter().any(|a| a == "--templates"),
         chaos: args.iter().any(|a| a == "--chaos").then(|| {
             value("--chaos-every").map_or(Duration::from_secs(120), |v| {
                 humantime::parse_duration(&v).expect("--chaos-every DURATION")
@@ -568,6 +577,27 @@ impl BenchDb {
             Backend::Postgres => ("$1", "$2", "$3", "$4"),
             _ => ("?", "?", "?", "?"),
         };
+        if shape == Shape::OrderTemplated {
+            // The row names the template; its data differs by the number.
+            let rest = templates::data_rest().replace('\'', "''");
+            let data = cat(&["'{\"number\": '", number, &format!("', {rest}'")]);
+            let data = match self.backend {
+                Backend::Postgres => format!("({data})::jsonb"),
+                _ => data,
+            };
+            let sql = format!(
+                "INSERT INTO mail_queue (to_address, template, template_data, from_name, status, processed_at) \
+                 SELECT {to}, 'order', {data}, {p1}, '{status}', {processed} FROM {numbers}",
+                to = cat(&["'user'", number, "'@example.com'"]),
+            );
+            let sql = AssertSqlSafe(sql);
+            return on_pool!(&self.pool, p => sqlx::query(sql)
+                .bind(from_name.clone())
+                .execute(p)
+                .await
+                .map(|_| ()))
+            .map_err(|e| e.to_string());
+        }
         let sql = format!(
             "INSERT INTO mail_queue (to_address, subject, body, body_html, from_name, status, processed_at) \
              SELECT {to}, {subj}, {p2}, {p3}, {p4}, '{status}', {processed} FROM {numbers}",
@@ -584,6 +614,24 @@ impl BenchDb {
             .await
             .map(|_| ()))
         .map_err(|e| e.to_string())
+    }
+
+    /// A template in `mail_template`, as `tablemail template put` writes it.
+    async fn put_template(&self, t: &tablemail::store::TemplateRow) {
+        let sql = match self.backend {
+            Backend::Postgres => "INSERT INTO mail_template (name, locale, subject, body, body_html) VALUES ($1, $2, $3, $4, $5)",
+            _ => "INSERT INTO mail_template (name, locale, subject, body, body_html) VALUES (?, ?, ?, ?, ?)",
+        };
+        on_pool!(&self.pool, p => sqlx::query(sql)
+            .bind(t.name.clone())
+            .bind(t.locale.clone())
+            .bind(t.subject.clone())
+            .bind(t.body.clone())
+            .bind(t.body_html.clone())
+            .execute(p)
+            .await
+            .map(|_| ()))
+        .unwrap_or_else(|e| panic!("the template: {e}"));
     }
 
     /// `n` addresses on the suppression list, none of them a recipient of
@@ -680,6 +728,11 @@ enum Shape {
     /// A German order confirmation: text with non-ASCII and long lines, an
     /// HTML alternative on long lines, a non-ASCII subject and sender name.
     Real,
+    /// An order confirmation of ten items as the `--templates` template
+    /// renders it, inserted pre-rendered.
+    Order,
+    /// The same mail as a row naming the template, with its data.
+    OrderTemplated,
 }
 
 impl Shape {
@@ -713,6 +766,15 @@ impl Shape {
                 );
                 (
                     "Ihre Bestellung wurde bestätigt – Nr.".into(),
+                    text,
+                    Some(html),
+                    Some("Bäckerei Größenwahn".into()),
+                )
+            }
+            Shape::Order | Shape::OrderTemplated => {
+                let (subject, text, html) = templates::rendered();
+                (
+                    subject,
                     text,
                     Some(html),
                     Some("Bäckerei Größenwahn".into()),
@@ -1020,6 +1082,9 @@ async fn drain(setup: &Setup<'_>, mails: usize, shape: Shape, analyzed: bool) ->
     let db = BenchDb::create(setup.target, setup.tablemail, setup.dir).await;
     let sink = Sink::start();
     db.load(mails, shape, "queued").await;
+    if shape == Shape::OrderTemplated {
+        db.put_template(&templates::row()).await;
+    }
     if !setup.attachment.is_empty() {
         db.attach_to_all(setup.attachment).await;
     }
@@ -1698,6 +1763,10 @@ async fn main() {
     if opts.limit_unreached {
         let pairs = limits::limit_cost(&setup, opts.mails, opts.runs).await;
         limits::limit_report(&pairs);
+    }
+    if opts.templates {
+        let pairs = templates::cost(&setup, opts.mails, opts.runs).await;
+        templates::report(&pairs);
     }
     if let Some(n) = opts.reports {
         let rates = feedback::report_rates(&setup, n).await;

@@ -55,6 +55,47 @@ pub enum Command {
         #[command(subcommand)]
         command: SuppressCommand,
     },
+    /// Templates in the database: subject, text and HTML per name and locale.
+    Template {
+        #[command(subcommand)]
+        command: TemplateCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TemplateCommand {
+    /// Every template: name, locale, when it last changed, its parts' sizes.
+    List,
+    /// One template's subject, text and HTML.
+    Show {
+        name: String,
+        /// The locale ('' = the default); the fallback applies.
+        #[arg(long, default_value = "")]
+        locale: String,
+    },
+    /// Insert or replace a template (its parts are minijinja templates).
+    Put {
+        name: String,
+        #[arg(long, default_value = "")]
+        locale: String,
+        #[arg(long)]
+        subject: String,
+        /// The text part, from a file (- for stdin).
+        #[arg(long, value_name = "FILE")]
+        text: Option<PathBuf>,
+        /// The HTML part, from a file (- for stdin).
+        #[arg(long, value_name = "FILE")]
+        html: Option<PathBuf>,
+    },
+    /// Render a template with data, as the daemon would, and print it.
+    Render {
+        name: String,
+        /// The variables: a JSON object.
+        #[arg(long, default_value = "{}")]
+        data: String,
+        #[arg(long, default_value = "")]
+        locale: String,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -120,7 +161,7 @@ pub enum SuppressCommand {
 #[derive(Debug, Args)]
 pub struct EnqueueArgs {
     /// Read one JSON object per line from stdin, with the column names as keys.
-    #[arg(long, conflicts_with_all = ["to", "subject", "body", "html", "cc", "bcc", "from", "from_name", "reply_to", "priority", "send_at", "dedupe_key", "header", "attach", "inline", "route"])]
+    #[arg(long, conflicts_with_all = ["to", "subject", "body", "html", "cc", "bcc", "from", "from_name", "reply_to", "priority", "send_at", "dedupe_key", "header", "attach", "inline", "route", "template", "data", "locale"])]
     pub jsonl: bool,
     /// Recipients, comma separated.
     #[arg(long, required_unless_present = "jsonl")]
@@ -155,6 +196,16 @@ pub struct EnqueueArgs {
     /// The route it takes (`[[routes]]` name); default: its From domain's.
     #[arg(long)]
     pub route: Option<String>,
+    /// Render this template (DESIGN §15) when the mail is sent; it fills
+    /// the subject and bodies not given.
+    #[arg(long)]
+    pub template: Option<String>,
+    /// The template's variables: a JSON object.
+    #[arg(long, requires = "template")]
+    pub data: Option<String>,
+    /// The locale wanted (e.g. de-AT; falls back to de, then the default).
+    #[arg(long, requires = "template")]
+    pub locale: Option<String>,
     /// Extra header, NAME:VALUE; repeatable.
     #[arg(long, value_name = "NAME:VALUE")]
     pub header: Vec<String>,

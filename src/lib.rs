@@ -22,6 +22,7 @@
 //! - [`worker`]: claim -> send -> group commit; outcome policy, pacing, chores.
 //! - [`config`]: `Settings`: defaults < file < `TABLEMAIL__*` environment.
 //! - [`telemetry`]: flat JSON or pretty logs that never block; redaction.
+//! - [`templates`]: templates in the database, rendered at send time.
 //! - [`random`]: cheap per-thread randomness for jitter and MIME boundaries.
 //! - [`shutdown`]: SIGTERM | SIGINT -> `CancellationToken`.
 //! - [`systemd`]: READY/WATCHDOG/STOPPING notifications under `Type=notify`.
@@ -44,4 +45,5 @@ pub mod smtp;
 pub mod store;
 pub mod systemd;
 pub mod telemetry;
+pub mod templates;
 pub mod worker;

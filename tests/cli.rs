@@ -112,7 +112,10 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
             "bounced_at",
             "bypass_suppression",
             "relay_queue_id",
-            "route"
+            "route",
+            "template",
+            "template_data",
+            "locale"
         ]
     );
     // The history, attachments and daemons live in tables of their own.
@@ -131,6 +134,7 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
             "mail_feedback",
             "mail_queue",
             "mail_suppression",
+            "mail_template",
             "tablemail_daemon",
             "tablemail_migrations",
             "tablemail_minute"

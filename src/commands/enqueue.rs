@@ -92,7 +92,14 @@ fn mail_from_flags(args: EnqueueArgs) -> Result<NewMail> {
             serde_json::Value::String(value.trim_start().to_string()),
         );
     }
+    let template_data = match &args.data {
+        None => None,
+        Some(data) => Some(super::templates::parse_data(data)?),
+    };
     Ok(NewMail {
+        template: args.template,
+        template_data,
+        locale: args.locale,
         to_address: args.to.unwrap_or_default(),
         subject: args.subject,
         body: args.body,
@@ -196,6 +203,9 @@ pub(super) async fn enqueue(settings: &Settings, args: EnqueueArgs) -> Result<()
         vec![mail]
     };
     let store = connect(settings).await?;
+    if mails.iter().any(|m| m.template.is_some()) {
+        check_templates(&store, &mails, &defaults).await?;
+    }
     let results = store.enqueue(&mails).await?;
     for (mail, r) in mails.iter().zip(&results) {
         println!("{}", r.id);
@@ -206,6 +216,41 @@ pub(super) async fn enqueue(settings: &Settings, args: EnqueueArgs) -> Result<()
                 r.id
             );
         }
+    }
+    Ok(())
+}
+
+/// Renders the templated mails as the daemon will: a template that does not
+/// exist or fails with this data is refused before anything is inserted.
+async fn check_templates(
+    store: &std::sync::Arc<dyn crate::store::Store>,
+    mails: &[NewMail],
+    defaults: &mail::MessageDefaults,
+) -> Result<()> {
+    let catalog = crate::templates::Catalog::from_rows(&store.templates().await?);
+    for (n, new) in mails.iter().enumerate() {
+        let Some(name) = new.template.as_deref() else {
+            continue;
+        };
+        let data = new
+            .template_data
+            .as_ref()
+            .map(|d| serde_json::Value::Object(d.clone()).to_string());
+        let request = crate::templates::Request::filling(
+            name,
+            new.locale.as_deref(),
+            data.as_deref(),
+            (
+                new.subject.as_deref().unwrap_or_default(),
+                new.body.as_deref(),
+                new.body_html.as_deref(),
+            ),
+            defaults.max_message_size,
+        );
+        catalog.render(&request).map_err(|e| match mails.len() {
+            1 => CommandError::Usage(e.to_string()),
+            _ => CommandError::Usage(format!("mail {}: {e}", n + 1)),
+        })?;
     }
     Ok(())
 }

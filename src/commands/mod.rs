@@ -7,12 +7,14 @@
 //! - [`status`]: what the queue holds and how it fares; one mail (`show`).
 //! - [`admin`]: migrate, retry, cancel, purge, check.
 //! - [`feedback`]: ingest a report, the suppression list.
+//! - `templates`: the templates in the database.
 
 mod admin;
 mod enqueue;
 pub mod feedback;
 mod run;
 mod status;
+mod templates;
 
 use std::{process::ExitCode, sync::Arc};
 
@@ -92,6 +94,7 @@ pub async fn execute(command: Command, settings: Settings) -> ExitCode {
         Command::Check => admin::check(&settings).await,
         Command::Ingest(args) => feedback::ingest(&settings, args).await,
         Command::Suppress { command } => feedback::suppress(&settings, command).await,
+        Command::Template { command } => templates::template(&settings, command).await,
     };
     close_opened().await;
     match result {

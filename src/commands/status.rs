@@ -274,6 +274,13 @@ pub(super) async fn show(settings: &Settings, args: ShowArgs) -> Result<()> {
     if !args.body {
         redact_record(&mut record);
     }
+    if let Some(name) = &record.template {
+        let versions = store.template_versions().await?;
+        let wanted = record.locale.as_deref().unwrap_or("");
+        record.template_locale = crate::templates::locale_chain(wanted)
+            .find(|l| versions.iter().any(|v| &v.name == name && v.locale == *l))
+            .map(str::to_string);
+    }
     if args.json {
         println!(
             "{}",
@@ -309,6 +316,16 @@ fn print_record(r: &MailRecord) {
     };
     println!("mail {}: {}", r.id, r.status);
     println!("  subject            {}", r.subject);
+    if let Some(name) = &r.template {
+        let used = match &r.template_locale {
+            Some(l) => format!("the template's {l:?}"),
+            None => "no such template now".to_string(),
+        };
+        println!(
+            "  template           {name}, locale {:?} ({used})",
+            r.locale.as_deref().unwrap_or("")
+        );
+    }
     println!("  priority           {}", r.priority);
     println!(
         "  attempts           {} made, {} left",

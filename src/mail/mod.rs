@@ -68,6 +68,9 @@ pub enum MailError {
     Build(String),
     #[error("{0}")]
     Field(String),
+    /// The row's template is missing or failed to render (DESIGN §15).
+    #[error("{0}")]
+    Template(#[from] crate::templates::TemplateError),
 }
 
 /// What every message takes from the configuration.

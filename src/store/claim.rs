@@ -198,6 +198,11 @@ pub struct MailContent {
     pub headers: Option<String>,
     /// The route the row names (DESIGN §13); `None`: its From domain's.
     pub route: Option<String>,
+    /// The template it is rendered with (DESIGN §15), its data (a JSON
+    /// object as text) and the locale wanted.
+    pub template: Option<String>,
+    pub template_data: Option<String>,
+    pub locale: Option<String>,
     /// The first of these columns that is not UTF-8 (text SQLite stored as
     /// it was given), and the offset of its first bad octet: that column
     /// reads as empty, and the mail fails rather than goes out.

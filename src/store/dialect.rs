@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 use super::{
     conns::Conns,
     shared::{FeedbackQueries, LimitQueries, Queries, Shared},
+    templates::TemplateQueries,
     Backend, BatchLock, ClaimBinds, Enqueued, Finalize, Finished, Maintenance, NewMail, QueuedMail,
     Result, StaleRow,
 };
@@ -32,6 +33,8 @@ pub(crate) trait Dialect: Send + Sync + Sized + 'static {
     const FEEDBACK: &'static FeedbackQueries;
     /// The send caps' SQL.
     const LIMITS: &'static LimitQueries;
+    /// The SQL of templates (DESIGN §15).
+    const TEMPLATES: &'static TemplateQueries;
     /// Durations as its SQL counts them.
     const UNIT: fn(Duration) -> i64;
 

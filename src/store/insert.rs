@@ -32,6 +32,8 @@ pub(crate) fn insert_columns(mail: &NewMail) -> Vec<(&'static str, Param<'_>)> {
         ("dedupe_key", &mail.dedupe_key),
         ("message_id", &mail.message_id),
         ("route", &mail.route),
+        ("template", &mail.template),
+        ("locale", &mail.locale),
     ];
     for (name, value) in texts {
         if let Some(v) = value {
@@ -54,6 +56,12 @@ pub(crate) fn insert_columns(mail: &NewMail) -> Vec<(&'static str, Param<'_>)> {
         cols.push((
             "headers",
             Param::Json(serde_json::Value::Object(h.clone()).to_string()),
+        ));
+    }
+    if let Some(d) = &mail.template_data {
+        cols.push((
+            "template_data",
+            Param::Json(serde_json::Value::Object(d.clone()).to_string()),
         ));
     }
     cols

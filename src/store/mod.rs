@@ -18,6 +18,7 @@
 //! - [`records`]: what operators read back and do.
 //! - [`feedback`]: reports, their history rows, the suppression list.
 //! - [`limits`]: send caps: reservations, their settling, their use.
+//! - `templates`: the rows of `mail_template` (DESIGN §15).
 //! - [`error`]: [`StoreError`], by what to do about it.
 //! - `dialect`: what each database does its own way.
 //! - `sql_store`: the one `Store`, written once over any dialect.
@@ -49,6 +50,7 @@ mod rows;
 mod shared;
 mod sql_store;
 mod sqlite;
+mod templates;
 
 pub(crate) use claim::ClaimBinds;
 pub use claim::{
@@ -70,6 +72,7 @@ pub use records::{
     MailLookup, MailRecord, MailSummary, Maintenance, MinuteCount, QueueStats, RecentFailure,
     RetrySelection, StatusCount, RETRY_ATTEMPTS, SILENT_AFTER_SECONDS, STATUSES,
 };
+pub use templates::{NewTemplate, TemplateRow, TemplateVersion};
 
 /// The database a `database.url` points at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -312,6 +315,15 @@ pub trait Store: Send + Sync + 'static {
 
     /// Deletes reservations counted from longer ago than `older_than`.
     async fn purge_cap_uses(&self, older_than: Duration) -> Result<u64>;
+    /// The key and last change of every template (DESIGN §15): what the
+    /// daemon reads once per claim batch that names a template.
+    async fn template_versions(&self) -> Result<Vec<TemplateVersion>>;
+
+    /// Every template, by name and locale.
+    async fn templates(&self) -> Result<Vec<TemplateRow>>;
+
+    /// Inserts or replaces a template; its `updated_at` becomes now.
+    async fn put_template(&self, template: &NewTemplate) -> Result<()>;
 }
 
 /// Connects to the database named by `url` (the pool connects lazily).

@@ -31,6 +31,7 @@ use super::{
     migrations::MYSQL,
     rows::{self, finalize_rows_json, held_json, locks_json},
     shared::{self, id_list_len, portable, FeedbackQueries, LimitQueries, Queries, Shared},
+    templates::{self, TemplateQueries},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Finished, NewMail,
     QueuedMail, Result, StaleRow,
 };
@@ -153,7 +154,8 @@ macro_rules! content_bytes {
         "(COALESCE(LENGTH(m.body), 0) + COALESCE(LENGTH(m.body_html), 0) \
          + COALESCE(LENGTH(m.from_name), 0) + COALESCE(LENGTH(m.from_address), 0) \
          + LENGTH(m.to_address) + COALESCE(LENGTH(m.cc), 0) + COALESCE(LENGTH(m.bcc), 0) \
-         + COALESCE(LENGTH(m.reply_to), 0) + LENGTH(m.subject) + COALESCE(LENGTH(m.headers), 0))"
+         + COALESCE(LENGTH(m.reply_to), 0) + LENGTH(m.subject) + COALESCE(LENGTH(m.headers), 0) \
+         + COALESCE(LENGTH(m.template_data), 0))"
     };
 }
 
@@ -182,7 +184,8 @@ SELECT m.id, m.priority, m.attempts, m.attempts_remaining, m.relay_down_count, m
             ELSE 0 END AS attachment_bytes,
        t.id IS NOT NULL AS inline,
        t.from_name, t.from_address, t.to_address, t.cc, t.bcc, t.reply_to, t.subject,
-       t.body, t.body_html, CAST(t.headers AS CHAR) AS headers, t.route
+       t.body, t.body_html, CAST(t.headers AS CHAR) AS headers, t.route, t.template,
+       CAST(t.template_data AS CHAR) AS template_data, t.locale
 FROM mail_queue AS m
 CROSS JOIN (SELECT ? AS lim, ? AS max_age,
                    (SELECT MAX(y.mail_id) FROM mail_attachment AS y) AS attached) AS p
@@ -319,6 +322,18 @@ FROM mail_queue WHERE id IN "#;
 /// The delivery loop's SQL (DESIGN §12). In the upserts every column is
 /// assigned from what the row held before `expires_at`, which comes last:
 /// MySQL assigns left to right, each assignment seeing the ones before it.
+static TEMPLATES: TemplateQueries = TemplateQueries {
+    versions: templates::portable::VERSIONS,
+    all: templates::portable::ALL,
+    put: r#"
+INSERT INTO mail_template (name, locale, subject, body, body_html, updated_at)
+VALUES (?, ?, ?, ?, ?, UTC_TIMESTAMP(6))
+ON DUPLICATE KEY UPDATE
+    subject = VALUES(subject), body = VALUES(body), body_html = VALUES(body_html),
+    updated_at = UTC_TIMESTAMP(6)
+"#,
+};
+
 static FEEDBACK: FeedbackQueries = FeedbackQueries {
     insert_feedback: r#"
 INSERT INTO mail_feedback
@@ -437,7 +452,8 @@ ORDER BY COUNT(*) DESC, outcome, stage, smtp_code
 "#,
     load_content: r#"
 SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
-       CAST(headers AS CHAR) AS headers, route
+       CAST(headers AS CHAR) AS headers, route, template,
+       CAST(template_data AS CHAR) AS template_data, locale
 FROM mail_queue WHERE id = ? AND thread_lock = ? AND status = 'sending'
 "#,
     load_attachments: r#"
@@ -501,7 +517,8 @@ LIMIT ?
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
        retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
        from_address, to_address, cc, bcc, reply_to, body, body_html,
-       CAST(headers AS CHAR) AS headers, route
+       CAST(headers AS CHAR) AS headers, route, template,
+       CAST(template_data AS CHAR) AS template_data, locale
 FROM mail_queue "#,
     attachments_of: r#"
 SELECT filename, content_type, LENGTH(content) AS size, content_id
@@ -666,6 +683,7 @@ impl Dialect for MySql {
     const QUERIES: &'static Queries = &QUERIES;
     const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
     const LIMITS: &'static LimitQueries = &LIMITS;
+    const TEMPLATES: &'static TemplateQueries = &TEMPLATES;
     const UNIT: fn(Duration) -> i64 = shared::micros;
 
     async fn claim(c: &mut MySqlConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {

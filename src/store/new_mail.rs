@@ -40,6 +40,14 @@ pub struct NewMail {
     /// The route it takes (DESIGN §13); `None`: its From domain's.
     #[serde(default)]
     pub route: Option<String>,
+    /// The template it is rendered with at send time (DESIGN §15), its
+    /// data and the locale wanted.
+    #[serde(default)]
+    pub template: Option<String>,
+    #[serde(default)]
+    pub template_data: Option<serde_json::Map<String, serde_json::Value>>,
+    #[serde(default)]
+    pub locale: Option<String>,
     /// Sent even to recipients on the suppression list (DESIGN §12).
     #[serde(default)]
     pub bypass_suppression: Option<bool>,

@@ -23,6 +23,7 @@ use super::{
     migrations::POSTGRES,
     rows::{self, inline_columns},
     shared::{self, portable, FeedbackQueries, LimitQueries, Queries, Shared},
+    templates::{self, TemplateQueries},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, Maintenance, NewMail,
     QueuedMail, Result, StaleRow, StoreError,
 };
@@ -193,13 +194,14 @@ WITH u AS (
          + COALESCE(octet_length(m.from_name), 0) + COALESCE(octet_length(m.from_address), 0)
          + octet_length(m.to_address) + COALESCE(octet_length(m.cc), 0)
          + COALESCE(octet_length(m.bcc), 0) + COALESCE(octet_length(m.reply_to), 0)
-         + octet_length(m.subject) + COALESCE(pg_column_size(m.headers), 0))::int8
+         + octet_length(m.subject) + COALESCE(pg_column_size(m.headers), 0)
+         + COALESCE(pg_column_size(m.template_data), 0))::int8
             AS content_bytes,
         (COALESCE(octet_length(m.body), 0) + COALESCE(octet_length(m.body_html), 0))::int8
             AS body_bytes,
         m.id <= (SELECT max(y.mail_id) FROM mail_attachment AS y) AS may_have_attachments,
         m.from_name, m.from_address, m.to_address, m.cc, m.bcc, m.reply_to, m.subject,
-        m.body, m.body_html, m.headers, m.route
+        m.body, m.body_html, m.headers, m.route, m.template, m.template_data, m.locale
 )
 SELECT u.id, u.priority, u.attempts, u.attempts_remaining, u.relay_down_count, u.message_id,
     u.expired, u.content_bytes, u.body_bytes,
@@ -212,7 +214,12 @@ SELECT u.id, u.priority, u.attempts, u.attempts_remaining, u.relay_down_count, u
          ELSE 0 END AS attachment_bytes,
     u.content_bytes <= $6 AS inline,
     "#,
-    inline_columns!("u.content_bytes <= $6", "u.", "u.headers::text"),
+    inline_columns!(
+        "u.content_bytes <= $6",
+        "u.",
+        "u.headers::text",
+        "u.template_data::text"
+    ),
     "\nFROM u",
 );
 
@@ -309,6 +316,18 @@ SELECT id, requeued FROM released
 "#;
 
 /// The delivery loop's SQL (DESIGN §12).
+static TEMPLATES: TemplateQueries = TemplateQueries {
+    versions: templates::portable::VERSIONS,
+    all: templates::portable::ALL,
+    put: r#"
+INSERT INTO mail_template (name, locale, subject, body, body_html, updated_at)
+VALUES ($1, $2, $3, $4, $5, now())
+ON CONFLICT (name, locale) DO UPDATE
+SET subject = excluded.subject, body = excluded.body, body_html = excluded.body_html,
+    updated_at = now()
+"#,
+};
+
 static FEEDBACK: FeedbackQueries = FeedbackQueries {
     insert_feedback: r#"
 INSERT INTO mail_feedback
@@ -429,7 +448,7 @@ ORDER BY count(*) DESC, outcome, stage, smtp_code
 "#,
     load_content: r#"
 SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
-       headers::text AS headers, route
+       headers::text AS headers, route, template, template_data::text AS template_data, locale
 FROM mail_queue WHERE id = $1 AND thread_lock = $2::uuid AND status = 'sending'
 "#,
     load_attachments: r#"
@@ -497,7 +516,7 @@ DELETE FROM mail_queue WHERE id IN (
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
        retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
        from_address, to_address, cc, bcc, reply_to, body, body_html, headers::text AS headers,
-       route
+       route, template, template_data::text AS template_data, locale
 FROM mail_queue "#,
     attachments_of: r#"
 SELECT filename, content_type, octet_length(content)::int8 AS size, content_id
@@ -560,6 +579,7 @@ impl Dialect for Postgres {
     const QUERIES: &'static Queries = &QUERIES;
     const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
     const LIMITS: &'static LimitQueries = &LIMITS;
+    const TEMPLATES: &'static TemplateQueries = &TEMPLATES;
     const UNIT: fn(Duration) -> i64 = shared::millis;
 
     async fn claim(c: &mut PgConnection, b: ClaimBinds) -> Result<Vec<QueuedMail>, sqlx::Error> {

@@ -56,6 +56,16 @@ pub struct MailRecord {
     /// The relay's reply to "." of the attempt that sent it.
     pub relay_reply: Option<String>,
     pub subject: String,
+    /// The template it is rendered with and the locale it asks for (DESIGN
+    /// §15).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub locale: Option<String>,
+    /// The locale of the template it is rendered with, by the templates
+    /// as they are now (`show` fills it in).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub template_locale: Option<String>,
     /// The sender, recipients, bodies and headers: only when asked for.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<MailContent>,

@@ -12,15 +12,16 @@ use sqlx::{ColumnIndex, Database, Decode, Encode, Row, Type};
 use super::{
     Attachment, AttachmentInfo, BatchLock, DaemonRow, EventRow, FailureGroup, FeedbackCount,
     MailContent, MailFilter, MailLookup, MailRecord, MailSizes, MailSummary, MinuteCount,
-    QueuedMail, RecentFailure, StaleRow, StatusCount, Suppressed, SuppressionEntry, UnlockedRow,
+    QueuedMail, RecentFailure, StaleRow, StatusCount, Suppressed, SuppressionEntry, TemplateRow,
+    TemplateVersion, UnlockedRow,
 };
 
 /// The text columns a claim returns, each NULL unless the row fits the
 /// inline limit: `$fits` is the SQL condition that says so, `$p` the prefix
-/// of the columns (`"c."` or `""`), `$headers` how the database reads
-/// `headers` as text.
+/// of the columns (`"c."` or `""`), `$headers` and `$template_data` how the
+/// database reads those JSON columns as text.
 macro_rules! inline_columns {
-    ($fits:expr, $p:literal, $headers:literal) => {
+    ($fits:expr, $p:literal, $headers:literal, $template_data:literal) => {
         concat!(
             "CASE WHEN ",
             $fits,
@@ -76,7 +77,22 @@ macro_rules! inline_columns {
             $fits,
             " THEN ",
             $p,
-            "route END AS route"
+            "route END AS route, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "template END AS template, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $template_data,
+            " END AS template_data, ",
+            "CASE WHEN ",
+            $fits,
+            " THEN ",
+            $p,
+            "locale END AS locale"
         )
     };
 }
@@ -115,6 +131,19 @@ macro_rules! from_row {
 }
 
 from_row!(StatusCount { status, count });
+from_row!(TemplateVersion {
+    name,
+    locale,
+    updated_at
+});
+from_row!(TemplateRow {
+    name,
+    locale,
+    subject,
+    body,
+    body_html,
+    updated_at
+});
 from_row!(FeedbackCount {
     source,
     kind,
@@ -140,7 +169,7 @@ from_row!(UnlockedRow { id, status });
 from_row!(MailContent, |row| ContentColumns::of(row)?.decode(row));
 
 /// The names of a mail's content columns, in [`ContentColumns`] order.
-const CONTENT_COLUMNS: [&str; 11] = [
+const CONTENT_COLUMNS: [&str; 14] = [
     "from_name",
     "from_address",
     "to_address",
@@ -152,6 +181,9 @@ const CONTENT_COLUMNS: [&str; 11] = [
     "body_html",
     "headers",
     "route",
+    "template",
+    "template_data",
+    "locale",
 ];
 
 /// Where a result's content columns are, found by name once: a claim
@@ -159,14 +191,14 @@ const CONTENT_COLUMNS: [&str; 11] = [
 /// through a hash of the name for every value, a cost a claim would pay
 /// for every column of every row.
 #[derive(Clone, Copy)]
-struct ContentColumns([usize; 11]);
+struct ContentColumns([usize; 14]);
 
 impl ContentColumns {
     fn of<'r, R: Row>(row: &'r R) -> Result<Self, sqlx::Error>
     where
         &'r str: ColumnIndex<R>,
     {
-        let mut at = [0; 11];
+        let mut at = [0; 14];
         for (at, name) in at.iter_mut().zip(CONTENT_COLUMNS) {
             *at = name.index(row)?;
         }
@@ -193,6 +225,9 @@ impl ContentColumns {
             body_html: text(8)?,
             headers: text(9)?,
             route: text(10)?,
+            template: text(11)?,
+            template_data: text(12)?,
+            locale: text(13)?,
             not_utf8: None,
         };
         content.not_utf8 = not_utf8;
@@ -301,6 +336,9 @@ from_row!(MailRecord, |row| Ok(MailRecord {
     last_error: row.try_get("last_error")?,
     relay_reply: row.try_get("relay_reply")?,
     subject: row.try_get("subject")?,
+    template: row.try_get("template")?,
+    locale: row.try_get("locale")?,
+    template_locale: None,
     content: Some(MailContent::from_row(row)?),
     attachments: Vec::new(),
     events: Vec::new(),

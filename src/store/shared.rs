@@ -223,6 +223,7 @@ pub(crate) struct Shared<DB: Database> {
     pub queries: &'static Queries,
     pub feedback: &'static FeedbackQueries,
     pub limits: &'static LimitQueries,
+    pub templates: &'static super::templates::TemplateQueries,
     /// Durations as the backend's SQL counts them.
     pub unit: fn(Duration) -> i64,
     pub migrator: Migrator,
@@ -245,6 +246,7 @@ impl<DB: Database> Shared<DB> {
             queries: D::QUERIES,
             feedback: D::FEEDBACK,
             limits: D::LIMITS,
+            templates: D::TEMPLATES,
             unit: D::UNIT,
             migrator: super::migrations::migrator(migrations),
             begin_write,

@@ -27,6 +27,7 @@ use super::{
     FeedbackCount, FeedbackKind, FeedbackRecord, FeedbackRecorded, FeedbackTarget, NewSuppression,
     RecipientEvent, Suppressed, SuppressionEntry, SuppressionFilter,
 };
+use super::{NewTemplate, TemplateRow, TemplateVersion};
 
 #[async_trait]
 impl<D: Dialect> Store for SqlStore<D>
@@ -1048,6 +1049,39 @@ where
                         .execute(&mut *c)
                         .await?;
                     Ok(done.count())
+                })
+            })
+            .await
+    }
+
+    async fn template_versions(&self) -> Result<Vec<TemplateVersion>> {
+        let sql = self.shared.templates.versions;
+        self.shared
+            .run(move |c| Box::pin(async move { sqlx::query_as(sql).fetch_all(&mut *c).await }))
+            .await
+    }
+
+    async fn templates(&self) -> Result<Vec<TemplateRow>> {
+        let sql = self.shared.templates.all;
+        self.shared
+            .run(move |c| Box::pin(async move { sqlx::query_as(sql).fetch_all(&mut *c).await }))
+            .await
+    }
+
+    async fn put_template(&self, template: &NewTemplate) -> Result<()> {
+        let (sql, t) = (self.shared.templates.put, template.clone());
+        self.shared
+            .run(move |c| {
+                Box::pin(async move {
+                    sqlx::query(sql)
+                        .bind(t.name)
+                        .bind(t.locale)
+                        .bind(t.subject)
+                        .bind(t.body)
+                        .bind(t.body_html)
+                        .execute(&mut *c)
+                        .await
+                        .map(|_| ())
                 })
             })
             .await

@@ -31,6 +31,7 @@ use super::{
     migrations::SQLITE,
     rows::{self, finalize_json, held_json, locks_json},
     shared::{self, portable, FeedbackQueries, LimitQueries, Queries, Shared},
+    templates::{self, TemplateQueries},
     Backend, BatchLock, ClaimBinds, ConnectOptions, Enqueued, Finalize, MailContent, NewMail,
     QueuedMail, Result, StaleRow,
 };
@@ -125,7 +126,8 @@ macro_rules! content_bytes {
          + coalesce(octet_length(from_name), 0) + coalesce(octet_length(from_address), 0) \
          + octet_length(to_address) + coalesce(octet_length(cc), 0) \
          + coalesce(octet_length(bcc), 0) + coalesce(octet_length(reply_to), 0) \
-         + octet_length(subject) + coalesce(octet_length(headers), 0))"
+         + octet_length(subject) + coalesce(octet_length(headers), 0) \
+         + coalesce(octet_length(template_data), 0))"
     };
 }
 
@@ -172,7 +174,7 @@ RETURNING id, priority, attempts, attempts_remaining, relay_down_count, message_
 /// lock and status are checked as `load_content` checks them.
 const CLAIM_CONTENT: &str = r#"
 SELECT id, from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html,
-       headers, route
+       headers, route, template, template_data, locale
 FROM mail_queue
 WHERE id IN (SELECT value FROM json_each(?1)) AND thread_lock = ?2 AND status = 'sending'
 "#;
@@ -255,6 +257,18 @@ FROM jsonb_each(?1)
 
 /// The delivery loop's SQL (DESIGN §12). Times are compared as text in
 /// SQLite's own format, so that the indexes on `received_at` serve them.
+static TEMPLATES: TemplateQueries = TemplateQueries {
+    versions: templates::portable::VERSIONS,
+    all: templates::portable::ALL,
+    put: r#"
+INSERT INTO mail_template (name, locale, subject, body, body_html, updated_at)
+VALUES (?1, ?2, ?3, ?4, ?5, strftime('%Y-%m-%d %H:%M:%f', 'now'))
+ON CONFLICT (name, locale) DO UPDATE
+SET subject = excluded.subject, body = excluded.body, body_html = excluded.body_html,
+    updated_at = strftime('%Y-%m-%d %H:%M:%f', 'now')
+"#,
+};
+
 static FEEDBACK: FeedbackQueries = FeedbackQueries {
     insert_feedback: r#"
 INSERT INTO mail_feedback
@@ -375,7 +389,7 @@ ORDER BY count(*) DESC, outcome, stage, smtp_code
 "#,
     load_content: r#"
 SELECT from_name, from_address, to_address, cc, bcc, reply_to, subject, body, body_html, headers,
-       route
+       route, template, template_data, locale
 FROM mail_queue WHERE id = ?1 AND thread_lock = ?2 AND status = 'sending'
 "#,
     load_attachments: r#"
@@ -442,7 +456,8 @@ DELETE FROM mail_queue WHERE id IN (
     mail_columns: r#"
 SELECT id, status, attempts, attempts_remaining, priority, created_at, send_at, processed_at,
        retried_at, bounced_at, message_id, dedupe_key, last_error, relay_reply, subject, from_name,
-       from_address, to_address, cc, bcc, reply_to, body, body_html, headers, route
+       from_address, to_address, cc, bcc, reply_to, body, body_html, headers, route, template,
+       template_data, locale
 FROM mail_queue "#,
     attachments_of: r#"
 SELECT filename, content_type, octet_length(content) AS size, content_id
@@ -493,6 +508,7 @@ impl Dialect for Sqlite {
     const QUERIES: &'static Queries = &QUERIES;
     const FEEDBACK: &'static FeedbackQueries = &FEEDBACK;
     const LIMITS: &'static LimitQueries = &LIMITS;
+    const TEMPLATES: &'static TemplateQueries = &TEMPLATES;
     const UNIT: fn(Duration) -> i64 = shared::millis;
 
     async fn claim(

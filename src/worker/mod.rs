@@ -124,6 +124,8 @@ pub struct Worker {
     held: Held,
     /// Bounds the large mails and attachments loaded at once.
     memory: MemoryBudget,
+    /// The templates rows name (DESIGN §15), compiled and cached.
+    templates: crate::templates::Templates,
     /// New rows may be due (NOTIFY, a released stale lock).
     wake: Arc<Notify>,
     /// A group commit made room for more claimed rows.
@@ -203,6 +205,7 @@ impl Worker {
             message_id_domain,
             held: Held::default(),
             memory: MemoryBudget::new(budget::LOAD_BUDGET),
+            templates: crate::templates::Templates::new(),
             wake: Arc::new(Notify::new()),
             freed: Notify::new(),
         })
@@ -344,7 +347,31 @@ impl Worker {
         mails.sort_unstable_by_key(|m| (std::cmp::Reverse(m.priority), m.id));
         self.read_suppression(&mut mails).await;
         self.reserve_caps(&mut mails).await;
+        if self.refresh_templates(&mails).await {
+            mails = self.prerender(mails).await;
+        }
         Ok(mails)
+    }
+
+    /// Brings the templates up to date when a row of the batch may name one
+    /// (its content came with the claim and names one, or is loaded later):
+    /// one query of the templates' versions, the changed ones read and
+    /// compiled. A batch without templates costs nothing.
+    /// Returns whether the templates are at hand for the batch.
+    async fn refresh_templates(&self, mails: &[QueuedMail]) -> bool {
+        let named = mails
+            .iter()
+            .any(|m| m.content.as_ref().is_none_or(|c| c.template.is_some()));
+        if !named {
+            return false;
+        }
+        match self.templates.refresh(self.store.as_ref()).await {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not read the templates: their mails wait");
+                false
+            }
+        }
     }
 
     /// Puts back the rows of claims whose answer never came, once the

@@ -1,4 +1,4 @@
-//! The operator console's pages (DESIGN §9, §12): the overview, the failures
+//! The operator console's pages (DESIGN §9, §12, §15): the overview, the failures
 //! of the last hour, the mail list, a mail's page and the suppression list,
 //! server-rendered from templates compiled in (`templates/`), HTML-escaped,
 //! working without JavaScript and fetching nothing (the style and the chart
@@ -13,12 +13,14 @@
 //! - `overview`: the overview and the failures, from the snapshot.
 //! - `mails`: the list, a mail's page, and its retry and cancel buttons.
 //! - `suppression`: the suppression list, searched, and removal from it.
+//! - `templates`: the templates, and one with a rendered preview (§15).
 //! - `login`: logging in and out.
 
 mod login;
 mod mails;
 mod overview;
 mod suppression;
+mod templates;
 
 use std::sync::Arc;
 
@@ -96,6 +98,8 @@ pub fn router(console: Arc<Console>) -> Router {
         .route("/mails/{id}/cancel", post(mails::cancel))
         .route("/suppression", get(suppression::list))
         .route("/suppression/remove", post(suppression::remove))
+        .route("/templates", get(templates::list))
+        .route("/templates/{name}", get(templates::template))
         .route("/login", get(login::login_page).post(login::login))
         .route("/logout", post(login::logout))
         .layer(middleware::from_fn(page_headers))
