@@ -132,6 +132,8 @@ async fn migrate_is_idempotent_and_creates_the_contract_table() {
             "mail_attachment",
             "mail_event",
             "mail_feedback",
+            "mail_limit",
+            "mail_limit_use",
             "mail_queue",
             "mail_suppression",
             "mail_template",
