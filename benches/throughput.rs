@@ -1494,6 +1494,62 @@ async fn soak(setup: &Setup<'_>, duration: Duration) -> (Vec<f64>, f64) {
     (per_minute, rss_kib as f64 / 1024.0)
 }
 
+/// One side of a paired measurement: its name, its setup, its mails.
+struct Side<'a, 's> {
+    name: &'a str,
+    setup: &'a Setup<'s>,
+    shape: Shape,
+}
+
+/// Drains of `a` and `b`, one pair per run, the order alternating from run
+/// to run so that the machine's drift hits both alike: (a, b) per run.
+async fn paired(
+    a: Side<'_, '_>,
+    b: Side<'_, '_>,
+    mails: usize,
+    runs: usize,
+) -> Vec<(Drain, Drain)> {
+    let mut pairs = Vec::new();
+    for run in 1..=runs.max(1) {
+        let (x, y) = if run % 2 == 1 {
+            let x = drain(a.setup, mails, a.shape, false).await;
+            (x, drain(b.setup, mails, b.shape, false).await)
+        } else {
+            let y = drain(b.setup, mails, b.shape, false).await;
+            (drain(a.setup, mails, a.shape, false).await, y)
+        };
+        eprintln!(
+            "run {run}: {} {:.0}/s ({:.1} µs/mail), {} {:.0}/s ({:.1} µs/mail)",
+            a.name, x.rate, x.cpu_us_per_mail, b.name, y.rate, y.cpu_us_per_mail
+        );
+        pairs.push((x, y));
+    }
+    pairs
+}
+
+/// The report of a paired measurement: mails per second and CPU per mail,
+/// each pair's second against its first (`ratio`: "with / without").
+fn paired_report(title: &str, ratio: &str, pairs: &[(Drain, Drain)]) {
+    println!("{title}");
+    let of = |f: &dyn Fn(&(Drain, Drain)) -> f64| pairs.iter().map(f).collect::<Vec<f64>>();
+    line(
+        format!("  mails/s, {ratio}"),
+        spread(of(&|p| p.1.rate / p.0.rate), "x", 3),
+    );
+    line(
+        format!("  daemon CPU per mail, {ratio}"),
+        spread(of(&|p| p.1.cpu_us_per_mail / p.0.cpu_us_per_mail), "x", 3),
+    );
+    line(
+        format!("  database CPU per mail, {ratio}"),
+        spread(
+            of(&|p| p.1.db_cpu_us_per_mail / p.0.db_cpu_us_per_mail.max(1e-9)),
+            "x",
+            3,
+        ),
+    );
+}
+
 /// One line of the report.
 fn line(label: impl std::fmt::Display, value: impl std::fmt::Display) {
     println!("{:<50} {:>26}", label.to_string(), value.to_string());

@@ -25,7 +25,7 @@ use std::{
 use tablemail::feedback::verp::Verp;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
-use super::{drain, line, spread, Backend, BenchDb, Daemon, Drain, Setup, Shape};
+use super::{line, paired, paired_report, Backend, BenchDb, Daemon, Drain, Setup, Shape, Side};
 
 const BOUNCE_DOMAIN: &str = "bounce.bench";
 const SECRET: &str = "the benchmark's bounce secret, long enough";
@@ -45,42 +45,31 @@ pub(super) async fn suppression_cost(
         suppressed: 0,
         ..*setup
     };
-    let mut pairs = Vec::new();
-    for run in 1..=runs.max(1) {
-        let (a, b) = if run % 2 == 1 {
-            let a = drain(&without, mails, Shape::Real, false).await;
-            (a, drain(&with, mails, Shape::Real, false).await)
-        } else {
-            let b = drain(&with, mails, Shape::Real, false).await;
-            (drain(&without, mails, Shape::Real, false).await, b)
-        };
-        eprintln!(
-            "run {run}: without {:.0}/s, with {suppressed} suppressed {:.0}/s",
-            a.rate, b.rate
-        );
-        pairs.push((a, b));
-    }
-    pairs
+    let with_name = format!("with {suppressed} suppressed");
+    paired(
+        Side {
+            name: "without",
+            setup: &without,
+            shape: Shape::Real,
+        },
+        Side {
+            name: &with_name,
+            setup: &with,
+            shape: Shape::Real,
+        },
+        mails,
+        runs,
+    )
+    .await
 }
 
 pub(super) fn suppression_report(suppressed: usize, pairs: &[(Drain, Drain)]) {
-    println!(
-        "the suppression lookup: real-mix drains, {suppressed} addresses suppressed against none"
-    );
-    let ratio = |f: &dyn Fn(&Drain) -> f64| -> Vec<f64> {
-        pairs.iter().map(|(a, b)| f(b) / f(a)).collect()
-    };
-    line(
-        "  mails/s, with / without",
-        spread(ratio(&|d| d.rate), "x", 3),
-    );
-    line(
-        "  daemon CPU per mail, with / without",
-        spread(ratio(&|d| d.cpu_us_per_mail), "x", 3),
-    );
-    line(
-        "  database CPU per mail, with / without",
-        spread(ratio(&|d| d.db_cpu_us_per_mail), "x", 3),
+    paired_report(
+        &format!(
+            "the suppression lookup: real-mix drains, {suppressed} addresses suppressed against none"
+        ),
+        "with / without",
+        pairs,
     );
 }
 

@@ -6,7 +6,7 @@
 //! run: what reserving room for every claim and settling it with every
 //! group commit costs.
 
-use super::{drain, line, spread, Drain, Setup, Shape, CONFIG_ARG};
+use super::{paired, paired_report, Drain, Setup, Shape, Side, CONFIG_ARG};
 
 /// (without, with) the cap, one pair per run.
 pub(super) async fn limit_cost(
@@ -32,39 +32,27 @@ per = "24h"
         env: &env,
         ..*setup
     };
-    let mut pairs = Vec::new();
-    for run in 1..=runs.max(1) {
-        let (a, b) = if run % 2 == 1 {
-            let a = drain(setup, mails, Shape::Real, false).await;
-            (a, drain(&with, mails, Shape::Real, false).await)
-        } else {
-            let b = drain(&with, mails, Shape::Real, false).await;
-            (drain(setup, mails, Shape::Real, false).await, b)
-        };
-        eprintln!(
-            "run {run}: without caps {:.0}/s, with a cap never reached {:.0}/s",
-            a.rate, b.rate
-        );
-        pairs.push((a, b));
-    }
-    pairs
+    paired(
+        Side {
+            name: "without caps",
+            setup,
+            shape: Shape::Real,
+        },
+        Side {
+            name: "with a cap never reached",
+            setup: &with,
+            shape: Shape::Real,
+        },
+        mails,
+        runs,
+    )
+    .await
 }
 
 pub(super) fn limit_report(pairs: &[(Drain, Drain)]) {
-    println!("the send caps: real-mix drains under one cap never reached against none");
-    let ratio = |f: &dyn Fn(&Drain) -> f64| -> Vec<f64> {
-        pairs.iter().map(|(a, b)| f(b) / f(a)).collect()
-    };
-    line(
-        "  mails/s, with / without",
-        spread(ratio(&|d| d.rate), "x", 3),
-    );
-    line(
-        "  daemon CPU per mail, with / without",
-        spread(ratio(&|d| d.cpu_us_per_mail), "x", 3),
-    );
-    line(
-        "  database CPU per mail, with / without",
-        spread(ratio(&|d| d.db_cpu_us_per_mail), "x", 3),
+    paired_report(
+        "the send caps: real-mix drains under one cap never reached against none",
+        "with / without",
+        pairs,
     );
 }

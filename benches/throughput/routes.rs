@@ -4,7 +4,7 @@
 //! both to the same sink) against the same mails through the default route
 //! alone, in pairs whose order alternates.
 
-use super::{drain, line, spread, Drain, Setup, Shape};
+use super::{paired, paired_report, Drain, Setup, Shape, Side};
 
 /// (one route, two routes), one pair per run.
 pub(super) async fn route_cost(
@@ -22,35 +22,27 @@ pub(super) async fn route_cost(
         two_routes: true,
         ..*setup
     };
-    let mut pairs = Vec::new();
-    for run in 1..=runs.max(1) {
-        let (a, b) = if run % 2 == 1 {
-            let a = drain(&one, mails, Shape::Real, false).await;
-            (a, drain(&two, mails, Shape::Real, false).await)
-        } else {
-            let b = drain(&two, mails, Shape::Real, false).await;
-            (drain(&one, mails, Shape::Real, false).await, b)
-        };
-        eprintln!(
-            "run {run}: one route {:.0}/s, two routes {:.0}/s",
-            a.rate, b.rate
-        );
-        pairs.push((a, b));
-    }
-    pairs
+    paired(
+        Side {
+            name: "one route",
+            setup: &one,
+            shape: Shape::Real,
+        },
+        Side {
+            name: "two routes",
+            setup: &two,
+            shape: Shape::Real,
+        },
+        mails,
+        runs,
+    )
+    .await
 }
 
 pub(super) fn report(pairs: &[(Drain, Drain)]) {
-    println!("routes: the real mix from two domains, through two routes against one");
-    let ratio = |f: &dyn Fn(&Drain) -> f64| -> Vec<f64> {
-        pairs.iter().map(|(a, b)| f(b) / f(a)).collect()
-    };
-    line(
-        "  mails/s, two routes / one",
-        spread(ratio(&|d| d.rate), "x", 3),
-    );
-    line(
-        "  daemon CPU per mail, two routes / one",
-        spread(ratio(&|d| d.cpu_us_per_mail), "x", 3),
+    paired_report(
+        "routes: the real mix from two domains, through two routes against one",
+        "two routes / one",
+        pairs,
     );
 }

@@ -10,7 +10,7 @@ use tablemail::{
     templates::{Catalog, Request},
 };
 
-use super::{drain, line, spread, Drain, Setup, Shape};
+use super::{line, paired, paired_report, spread, Drain, Setup, Shape, Side};
 
 pub(super) const SUBJECT: &str = "Ihre Bestellung wurde bestätigt – Nr. {{ number }}";
 
@@ -107,47 +107,30 @@ pub(super) fn rendered() -> (String, String, String) {
 
 /// (pre-rendered, templated), one pair per run.
 pub(super) async fn cost(setup: &Setup<'_>, mails: usize, runs: usize) -> Vec<(Drain, Drain)> {
-    let mut pairs = Vec::new();
-    for run in 1..=runs.max(1) {
-        let (a, b) = if run % 2 == 1 {
-            let a = drain(setup, mails, Shape::Order, false).await;
-            (a, drain(setup, mails, Shape::OrderTemplated, false).await)
-        } else {
-            let b = drain(setup, mails, Shape::OrderTemplated, false).await;
-            (drain(setup, mails, Shape::Order, false).await, b)
-        };
-        eprintln!(
-            "run {run}: pre-rendered {:.0}/s ({:.1} µs/mail), templated {:.0}/s ({:.1} µs/mail)",
-            a.rate, a.cpu_us_per_mail, b.rate, b.cpu_us_per_mail
-        );
-        pairs.push((a, b));
-    }
-    pairs
+    paired(
+        Side {
+            name: "pre-rendered",
+            setup,
+            shape: Shape::Order,
+        },
+        Side {
+            name: "templated",
+            setup,
+            shape: Shape::OrderTemplated,
+        },
+        mails,
+        runs,
+    )
+    .await
 }
 
 pub(super) fn report(pairs: &[(Drain, Drain)]) {
-    println!("templates: order confirmations (ten items, text + HTML) rendered at send time against pre-rendered");
     let of = |f: &dyn Fn(&(Drain, Drain)) -> f64| pairs.iter().map(f).collect::<Vec<f64>>();
+    paired_report(
+        "templates: order confirmations (ten items, text + HTML) rendered at send time against pre-rendered",
+        "templated / pre-rendered",
+        pairs,
+    );
     line("  pre-rendered", spread(of(&|p| p.0.rate), "/s", 0));
     line("  templated", spread(of(&|p| p.1.rate), "/s", 0));
-    line(
-        "  mails/s, templated / pre-rendered",
-        spread(of(&|p| p.1.rate / p.0.rate), "x", 3),
-    );
-    line(
-        "  daemon CPU per mail, pre-rendered",
-        spread(of(&|p| p.0.cpu_us_per_mail), " µs", 1),
-    );
-    line(
-        "  daemon CPU per mail, templated",
-        spread(of(&|p| p.1.cpu_us_per_mail), " µs", 1),
-    );
-    line(
-        "  database CPU per mail, templated / pre-rendered",
-        spread(
-            of(&|p| p.1.db_cpu_us_per_mail / p.0.db_cpu_us_per_mail.max(1e-9)),
-            "x",
-            3,
-        ),
-    );
 }
