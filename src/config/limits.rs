@@ -53,19 +53,7 @@ pub fn validate_limits(limits: &[LimitSettings]) -> Result<()> {
     let mut names = std::collections::HashSet::new();
     for limit in limits {
         let name = &limit.name;
-        let valid = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        if !valid {
-            return Err(invalid(format!(
-                "name `{name}`: 1 to 64 letters, digits, `-`, `_` or `.`"
-            )));
-        }
-        if !names.insert(name.as_str()) {
-            return Err(invalid(format!("two limits are named `{name}`")));
-        }
+        super::unique_name(name, &mut names, "limits").map_err(invalid)?;
         let kinds = [
             !limit.from_domain.is_empty(),
             !limit.route.is_empty(),

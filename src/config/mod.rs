@@ -332,19 +332,7 @@ impl Settings {
         let mut names = std::collections::HashSet::new();
         for route in &self.routes {
             let name = &route.name;
-            let valid = !name.is_empty()
-                && name.len() <= 64
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-            if !valid {
-                return Err(invalid(format!(
-                    "name `{name}`: 1 to 64 letters, digits, `-`, `_` or `.`"
-                )));
-            }
-            if !names.insert(name.as_str()) {
-                return Err(invalid(format!("two routes are named `{name}`")));
-            }
+            unique_name(name, &mut names, "routes").map_err(invalid)?;
             match TransportKind::parse(&route.url) {
                 Ok(TransportKind::Smtp { .. }) => {}
                 Ok(_) => {
@@ -382,6 +370,29 @@ impl Settings {
     pub fn smtp_password(&self) -> Result<Option<SecretString>> {
         self.transport.password()
     }
+}
+
+/// A `[[routes]]` or `[[limits]]` name, as a metric label carries it: 1 to
+/// 64 letters, digits, `-`, `_` or `.`, not in `seen` yet (`what`: "routes").
+fn unique_name<'a>(
+    name: &'a str,
+    seen: &mut std::collections::HashSet<&'a str>,
+    what: &str,
+) -> std::result::Result<(), String> {
+    let valid = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if !valid {
+        return Err(format!(
+            "name `{name}`: 1 to 64 letters, digits, `-`, `_` or `.`"
+        ));
+    }
+    if !seen.insert(name) {
+        return Err(format!("two {what} are named `{name}`"));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -515,6 +526,36 @@ mod tests {
             err.contains("database.look_interval: must be at least 1ms"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn routes_are_named_once_with_a_label_a_metric_can_carry() {
+        let dir = std::env::temp_dir().join(format!("tm-routes-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("t.toml");
+        let route = |name: &str| {
+            format!(
+                "[[routes]]\nname = \"{name}\"\nfrom_domains = [\"{name}.example\"]\n\
+                 url = \"smtp://localhost:2525\"\n"
+            )
+        };
+        for (routes, says) in [
+            (
+                route("shop") + &route("shop"),
+                "two routes are named `shop`",
+            ),
+            (route("a b"), "name `a b`: 1 to 64 letters"),
+        ] {
+            std::fs::write(&file, &routes).unwrap();
+            let Err(err) = Settings::load_from(Some(&file), env(&[])) else {
+                panic!("accepted: {routes}");
+            };
+            let err = err.to_string();
+            assert!(err.contains(says), "{err}");
+        }
+        std::fs::write(&file, route("shop") + &route("support")).unwrap();
+        Settings::load_from(Some(&file), env(&[])).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
