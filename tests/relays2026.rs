@@ -408,6 +408,14 @@ async fn a_rejected_token_is_renewed_at_once_and_burns_nothing() {
     );
     let seen = tally(&relay.received());
     assert!(seen.len() == 10 && seen.values().all(|&n| n == 1));
+    // The relay has them all; the last outcomes may still be on their way
+    // to the database.
+    eventually(
+        "every outcome recorded",
+        Duration::from_secs(10),
+        || async { db.count("status <> 'sending'").await == 10 },
+    )
+    .await;
     for row in db.rows().await {
         assert!(row.status == "sent" && row.attempts == 1, "{row:?}");
     }
