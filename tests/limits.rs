@@ -2,7 +2,9 @@
 //! each database and a real SMTP server: several daemons against one cap,
 //! counted in every sliding window by when the server received each mail; a
 //! daemon killed while it holds room under a cap; a warm-up day; mails a cap
-//! does not count never delayed by it. Windows are a few seconds long.
+//! does not count never delayed by it; room given back by mails the relay
+//! refused before ".". Windows are a few seconds long, or an hour where
+//! nothing may wait for one.
 
 mod support;
 
@@ -17,6 +19,7 @@ for_each_backend!(
     a_daemon_killed_holding_room_neither_leaks_it_nor_lets_others_overshoot,
     a_warm_up_day_holds_the_cap_to_the_days_maximum,
     mails_a_cap_does_not_count_are_never_delayed_by_it,
+    room_is_given_back_when_the_relay_refused_before_the_dot,
 );
 
 /// A configuration file with these `[[limits]]` tables.
@@ -311,4 +314,90 @@ per = "1h"
         .await,
         0
     );
+}
+
+async fn room_is_given_back_when_the_relay_refused_before_the_dot(db: TestDb) {
+    let smtp = SmtpServer::start(&[]);
+    let dir = TempDir::new();
+    let path = config(
+        &dir,
+        r#"
+[[limits]]
+name = "quota"
+from_domain = ["example.com"]
+max = 3
+per = "1h"
+"#,
+    );
+    // Refused at RCPT: nothing went out, so nothing is counted.
+    for i in 0..3 {
+        db.enqueue(mail(
+            &format!("rcpt550-{i}@example.org"),
+            &format!("refused {i}"),
+        ))
+        .await;
+    }
+    let daemon = Daemon::start_config(&path, env(&db, &smtp, &[]));
+    eventually(
+        "the refused mails failed",
+        Duration::from_secs(30),
+        || async { db.count("status = 'failed'").await == 3 },
+    )
+    .await;
+    // Three mails in one claim, two of them large enough that their content,
+    // and so their reservation, comes after the claim: all fit.
+    let large = "x".repeat(40 * 1024);
+    db.exec(&format!(
+        "INSERT INTO mail_queue (to_address, subject, body) VALUES \
+         ('ann@example.org', 'small', 'a small one'), \
+         ('bob@example.org', 'large 1', '{large}'), \
+         ('cy@example.org', 'large 2', '{large}')"
+    ))
+    .await;
+    eventually(
+        "the three sent within the hour's cap",
+        Duration::from_secs(30),
+        || async { db.count("status = 'sent'").await == 3 },
+    )
+    .await;
+    // They are counted: a fourth waits for the window, its attempt unspent.
+    let fourth = db.enqueue(mail("dee@example.org", "fourth")).await;
+    eventually(
+        "the fourth deferred by the cap",
+        Duration::from_secs(30),
+        || async {
+            db.count_in(
+                "mail_event",
+                &format!("mail_id = {fourth} AND outcome = 'deferred' AND stage = 'limit'"),
+            )
+            .await
+                == 1
+        },
+    )
+    .await;
+    let row = db.row(fourth).await;
+    assert_eq!(
+        (row.status.as_str(), row.attempts),
+        ("queued", 0),
+        "{row:?}"
+    );
+    assert!(
+        row.scheduled,
+        "it waits until the window frees room: {row:?}"
+    );
+    assert!(
+        row.last_error.as_deref().unwrap_or("").contains("quota"),
+        "{row:?}"
+    );
+    let received: Vec<String> = smtp
+        .received()
+        .iter()
+        .flat_map(|r| r.rcpt_tos.clone())
+        .collect();
+    assert_eq!(received.len(), 3, "{received:?}");
+    assert!(
+        received.iter().all(|r| !r.starts_with("rcpt550")),
+        "{received:?}"
+    );
+    drop(daemon);
 }

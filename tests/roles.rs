@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use support::*;
 use tablemail::store::{
-    BatchLock, CapRequest, Claim, DaemonBeat, Event, EventOutcome, FeedbackItem, FeedbackKind,
-    FeedbackRecord, FeedbackSource, FinalAction, Finalize, MailLookup, NewSuppression,
-    RetrySelection, SuppressionFilter, SuppressionPolicy, SuppressionReason,
+    BatchLock, CapRequest, CapSettle, Claim, DaemonBeat, Event, EventOutcome, FeedbackItem,
+    FeedbackKind, FeedbackRecord, FeedbackSource, FinalAction, Finalize, MailLookup,
+    NewSuppression, RetrySelection, SuppressionFilter, SuppressionPolicy, SuppressionReason,
 };
 
 /// The SQL block of the README that follows `<!-- marker -->`.
@@ -130,7 +130,15 @@ async fn the_readme_roles_are_enough_for_the_application_and_the_daemon() {
         }])
         .await
         .unwrap();
-    store.settle_caps(&[m.id], &[]).await.unwrap();
+    store
+        .settle_caps(&[CapSettle {
+            name: "quota".into(),
+            lock: m.lock,
+            sent: 1,
+            unsent: 0,
+        }])
+        .await
+        .unwrap();
     assert_eq!(store.cap_uses(&caps).await.unwrap()[0].used, 1);
     store
         .purge_cap_uses(Duration::from_secs(3600))

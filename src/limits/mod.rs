@@ -131,6 +131,11 @@ impl Caps {
             .map(|(i, _)| i)
     }
 
+    /// The name of cap `index`.
+    pub fn name(&self, index: usize) -> &str {
+        &self.caps[index].name
+    }
+
     /// What cap `index` asks of the database for `mails`.
     pub fn request(&self, index: usize, mails: Vec<i64>) -> CapRequest {
         let cap = &self.caps[index];

@@ -145,8 +145,9 @@ pub enum CapCheck {
     Unchecked,
     /// No cap counts it.
     Uncounted,
-    /// Every cap that counts it reserved room for it under its claim.
-    Reserved,
+    /// Every cap that counts it (these, by name) reserved room for it under
+    /// its claim.
+    Reserved(Vec<String>),
     /// `cap` has no room: the mail waits `wait`, unspent.
     Over {
         cap: String,

@@ -3,12 +3,13 @@
 //! serialized per cap (its `mail_limit` row locked; SQLite has one writer),
 //! so that the count it reads is every daemon's.
 //!
-//! A reservation (`mail_limit_use`) counts while it is pending (`sent_ms`
-//! NULL: its mail may still go out) and for one window after `sent_ms`: the
-//! moment its mail was known sent, or found no longer held by the claim
-//! that reserved it (a daemon that died: whatever it sent, it sent before).
-//! It is deleted only when its mail is known unsent (the send never reached
-//! "."). Times are milliseconds since the epoch, by the database clock.
+//! A reservation (`mail_limit_use`) is a claim's under one cap: the claim's
+//! mails the cap counts, and how many of them are still pending. It counts
+//! them while one is pending (`sent_ms` NULL: it may still go out) and for
+//! one window after `sent_ms`: the moment the last was known sent, or the
+//! claim was found no longer held (a daemon that died: whatever it sent, it
+//! sent before). A mail known unsent (the send never reached ".") is taken
+//! out of it. Times are milliseconds since the epoch, by the database clock.
 
 use std::time::Duration;
 
@@ -78,6 +79,19 @@ pub struct CapAnswer {
     pub max: u64,
     /// For the mails it turned away: how long until capacity frees.
     pub frees_in: Duration,
+}
+
+/// What a group of written outcomes settles of one claim's reservation
+/// under one cap.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CapSettle {
+    pub name: String,
+    pub lock: super::BatchLock,
+    /// Its mails that may have gone out: they count one window from now
+    /// once none is pending any more.
+    pub sent: u64,
+    /// Its mails that surely did not: given back.
+    pub unsent: u64,
 }
 
 /// A cap's use now, for `status`, the console and `/metrics`.

@@ -65,7 +65,7 @@ pub use feedback::{
 pub use finalize::{
     CountWrite, Event, EventOutcome, FinalAction, FinalColumns, Finalize, StaleRow, UnlockedRow,
 };
-pub use limits::{budget, room, Budget, CapAnswer, CapRequest, CapUse, DAY_MS};
+pub use limits::{budget, room, Budget, CapAnswer, CapRequest, CapSettle, CapUse, DAY_MS};
 pub use new_mail::{Enqueued, NewAttachment, NewMail, DEFAULT_CONTENT_TYPE};
 pub use records::{
     AttachmentInfo, DaemonBeat, DaemonRow, EventRow, FailureGroup, Finished, MailFilter,
@@ -305,10 +305,11 @@ pub trait Store: Send + Sync + 'static {
     /// reservation of any other. DESIGN §16.
     async fn reserve_caps(&self, lock: BatchLock, caps: &[CapRequest]) -> Result<Vec<CapAnswer>>;
 
-    /// After their outcomes are written: the reservations of mails that
-    /// may have gone out count one window from now; those of `unsent`
-    /// mails (the send never reached ".") are given back.
-    async fn settle_caps(&self, sent: &[i64], unsent: &[(i64, BatchLock)]) -> Result<()>;
+    /// After their outcomes are written: mails that may have gone out are
+    /// no longer pending in their claim's reservation, which counts one
+    /// window from now once none is; mails that surely did not (the send
+    /// never reached ".") are given back.
+    async fn settle_caps(&self, settles: &[CapSettle]) -> Result<()>;
 
     /// What each cap counts now (its `mails` are not read).
     async fn cap_uses(&self, caps: &[CapRequest]) -> Result<Vec<CapUse>>;

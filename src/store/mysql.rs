@@ -419,6 +419,10 @@ static LIMITS: LimitQueries = LimitQueries {
     ensure: "INSERT IGNORE INTO mail_limit (name) VALUES (?)",
     lock_suffix: " FOR UPDATE",
     held_by: "q.thread_lock = mail_limit_use.thread_lock",
+    add: "INSERT INTO mail_limit_use (limit_name, thread_lock, mails, pending, reserved_ms, sent_ms) \
+          VALUES (?, ?, ?, ?, ?, NULL) ON DUPLICATE KEY UPDATE \
+          mails = mails + VALUES(mails), pending = pending + VALUES(pending), sent_ms = NULL",
+    sum_mails: "CAST(COALESCE(SUM(mails), 0) AS SIGNED)",
 };
 
 static QUERIES: Queries = Queries {

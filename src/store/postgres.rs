@@ -418,6 +418,11 @@ static LIMITS: LimitQueries = LimitQueries {
     ensure: "INSERT INTO mail_limit (name) VALUES ($1) ON CONFLICT DO NOTHING",
     lock_suffix: " FOR UPDATE",
     held_by: "q.thread_lock::text = mail_limit_use.thread_lock",
+    add: "INSERT INTO mail_limit_use (limit_name, thread_lock, mails, pending, reserved_ms, sent_ms) \
+          VALUES ($1, $2, $3, $4, $5, NULL) ON CONFLICT (limit_name, thread_lock) DO UPDATE \
+          SET mails = mail_limit_use.mails + EXCLUDED.mails, \
+          pending = mail_limit_use.pending + EXCLUDED.pending, sent_ms = NULL",
+    sum_mails: "COALESCE(SUM(mails), 0)::bigint",
 };
 
 static QUERIES: Queries = Queries {

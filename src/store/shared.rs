@@ -193,6 +193,14 @@ pub(crate) struct LimitQueries {
     /// The condition that `q`, a `mail_queue` row, is held by the claim
     /// that made the reservation `mail_limit_use`.
     pub held_by: &'static str,
+    /// ($1 name, $2 lock, $3 mails, $4 the same again as pending, $5
+    /// reserved at): a claim's reservation under a cap, added to the one it
+    /// made before (a large row reserves on its own, after its claim),
+    /// which then counts as pending again.
+    pub add: &'static str,
+    /// The sum of `mails` over the rows read, 0 for none, as a 64-bit
+    /// integer.
+    pub sum_mails: &'static str,
 }
 
 /// Statements that read the same on every database.

@@ -22,7 +22,7 @@ use super::{
     Maintenance, MinuteCount, NewMail, QueueStats, QueuedMail, Result, RetrySelection, StaleRow,
     Store, UnlockedRow, SILENT_AFTER_SECONDS,
 };
-use super::{room, Budget, CapAnswer, CapRequest, CapUse};
+use super::{room, Budget, CapAnswer, CapRequest, CapSettle, CapUse};
 use super::{
     FeedbackCount, FeedbackKind, FeedbackRecord, FeedbackRecorded, FeedbackTarget, NewSuppression,
     RecipientEvent, Suppressed, SuppressionEntry, SuppressionFilter,
@@ -842,6 +842,10 @@ where
                 Box::pin(async move {
                     let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
                     let mut answers = Vec::with_capacity(caps.len());
+                    // Per cap: its clock, what it counted (before this
+                    // claim), its oldest settled reservation and what its
+                    // day counted.
+                    let mut counts = Vec::with_capacity(caps.len());
                     let mut turned_away: std::collections::HashSet<i64> = Default::default();
                     for cap in &caps {
                         let locked = sqlx::query(AssertSqlSafe(sql.lock.clone()))
@@ -898,59 +902,46 @@ where
                             .filter(|m| !turned_away.contains(m) && !granted.contains(m))
                             .collect();
                         turned_away.extend(cap.mails.iter().filter(|m| !granted.contains(m)));
-                        if !granted.is_empty() {
-                            let mut query = sqlx::query(AssertSqlSafe(sql.insert(granted.len())));
-                            for id in &granted {
-                                query = query
-                                    .bind(cap.name.clone())
-                                    .bind(*id)
-                                    .bind(lock.clone())
-                                    .bind(now);
-                            }
-                            query.execute(&mut *tx).await?;
-                        }
-                        let g = granted.len() as u64;
-                        sqlx::query(AssertSqlSafe(sql.set_bound.clone()))
-                            .bind((used + g) as i64)
-                            .bind(cap.name.clone())
-                            .execute(&mut *tx)
-                            .await?;
-                        let (_, frees_at) = room(&budget, now, used + g, oldest, day_used + g);
-                        let (used, max) = match budget.day {
-                            Some((_, day_max)) if day_max < budget.max => (day_used + g, day_max),
-                            _ => (used + g, budget.max),
-                        };
+                        counts.push((now, budget, used, oldest, day_used));
                         answers.push(CapAnswer {
                             name: cap.name.clone(),
                             granted,
                             turned_away: refused,
                             counted,
-                            used,
-                            max,
-                            frees_in: Duration::from_millis((frees_at - now).max(0) as u64),
+                            used: 0,
+                            max: 0,
+                            frees_in: Duration::ZERO,
                         });
                     }
-                    // A mail one cap turned away gives back what the caps
-                    // before it reserved: it is not sent now.
-                    for answer in &mut answers {
-                        let back: Vec<i64> = answer
-                            .granted
-                            .iter()
-                            .copied()
-                            .filter(|m| turned_away.contains(m))
-                            .collect();
-                        if back.is_empty() {
-                            continue;
-                        }
+                    // A mail one cap turned away takes no room under the
+                    // caps before it either: it is not sent now. Then each
+                    // cap's reservation is one row for the claim.
+                    for (answer, (now, budget, used, oldest, day_used)) in
+                        answers.iter_mut().zip(counts)
+                    {
                         answer.granted.retain(|m| !turned_away.contains(m));
-                        answer.used = answer.used.saturating_sub(back.len() as u64);
-                        let mut query = sqlx::query(AssertSqlSafe(sql.give_back(back.len())))
-                            .bind(answer.name.clone())
-                            .bind(lock.clone());
-                        for id in back {
-                            query = query.bind(id);
+                        let g = answer.granted.len() as u64;
+                        if g > 0 {
+                            sqlx::query(sql.add)
+                                .bind(answer.name.clone())
+                                .bind(lock.clone())
+                                .bind(g as i64)
+                                .bind(g as i64)
+                                .bind(now)
+                                .execute(&mut *tx)
+                                .await?;
                         }
-                        query.execute(&mut *tx).await?;
+                        sqlx::query(AssertSqlSafe(sql.set_bound.clone()))
+                            .bind((used + g) as i64)
+                            .bind(answer.name.clone())
+                            .execute(&mut *tx)
+                            .await?;
+                        let (_, frees_at) = room(&budget, now, used + g, oldest, day_used + g);
+                        (answer.used, answer.max) = match budget.day {
+                            Some((_, day_max)) if day_max < budget.max => (day_used + g, day_max),
+                            _ => (used + g, budget.max),
+                        };
+                        answer.frees_in = Duration::from_millis((frees_at - now).max(0) as u64);
                     }
                     tx.commit().await?;
                     Ok(answers)
@@ -959,45 +950,37 @@ where
             .await
     }
 
-    async fn settle_caps(&self, sent: &[i64], unsent: &[(i64, BatchLock)]) -> Result<()> {
-        if sent.is_empty() && unsent.is_empty() {
+    async fn settle_caps(&self, settles: &[CapSettle]) -> Result<()> {
+        if settles.is_empty() {
             return Ok(());
         }
         let sql = LimitSql::new(self.shared.limits, self.shared.queries.placeholder);
         let begin = self.shared.begin_write;
-        let sent = padded(sent);
-        let mut by_lock: std::collections::BTreeMap<String, Vec<i64>> = Default::default();
-        for (id, lock) in unsent {
-            by_lock.entry(lock.to_string()).or_default().push(*id);
-        }
+        // In (name, lock) order: reservations are updated in one order.
+        let mut settles = settles.to_vec();
+        settles.sort_by(|a, b| (&a.name, a.lock.to_string()).cmp(&(&b.name, b.lock.to_string())));
         self.shared
             .run(move |c| {
                 Box::pin(async move {
-                    if by_lock.is_empty() {
+                    let settle = |s: &CapSettle| {
+                        let (sent, unsent) = (s.sent as i64, s.unsent as i64);
+                        sqlx::query(AssertSqlSafe(sql.settle.clone()))
+                            .bind(sent + unsent)
+                            .bind(unsent)
+                            .bind(unsent)
+                            .bind(sent + unsent)
+                            .bind(sent + unsent)
+                            .bind(s.name.clone())
+                            .bind(s.lock.to_string())
+                    };
+                    if let [one] = settles.as_slice() {
                         // One statement: no transaction needed.
-                        let mut query = sqlx::query(AssertSqlSafe(sql.settle(sent.len())));
-                        for id in &sent {
-                            query = query.bind(*id);
-                        }
-                        query.execute(&mut *c).await?;
+                        settle(one).execute(&mut *c).await?;
                         return Ok(());
                     }
                     let mut tx = sqlx::Connection::begin_with(&mut *c, begin).await?;
-                    if !sent.is_empty() {
-                        let mut query = sqlx::query(AssertSqlSafe(sql.settle(sent.len())));
-                        for id in &sent {
-                            query = query.bind(*id);
-                        }
-                        query.execute(&mut *tx).await?;
-                    }
-                    for (lock, ids) in by_lock {
-                        let ids = padded(&ids);
-                        let mut query =
-                            sqlx::query(AssertSqlSafe(sql.release(ids.len()))).bind(lock);
-                        for id in ids {
-                            query = query.bind(id);
-                        }
-                        query.execute(&mut *tx).await?;
+                    for s in &settles {
+                        settle(s).execute(&mut *tx).await?;
                     }
                     tx.commit().await
                 })
@@ -1145,19 +1128,9 @@ where
     }
 }
 
-/// An id list padded to one of few lengths (see `id_list_len`).
-fn padded(ids: &[i64]) -> Vec<i64> {
-    let mut ids = ids.to_vec();
-    if let Some(&last) = ids.last() {
-        ids.resize(super::shared::id_list_len(ids.len()), last);
-    }
-    ids
-}
-
 /// The send caps' statements (DESIGN §16), built from a dialect's
 /// [`LimitQueries`](super::shared::LimitQueries) and placeholders.
 struct LimitSql {
-    placeholder: fn(usize) -> String,
     /// -> `now_ms`.
     now: String,
     ensure: &'static str,
@@ -1165,6 +1138,10 @@ struct LimitSql {
     lock: String,
     /// ($1 name): pending reservations no longer held are counted from now.
     sweep: String,
+    /// ($1 settled, $2 and $3 unsent, $4 and $5 settled, $6 name, $7 lock):
+    /// a claim's reservation once outcomes are written.
+    settle: String,
+    add: &'static str,
     /// ($1 bound, $2 name).
     set_bound: String,
     /// ($1 name, $2 after) -> `used`, `oldest` (-1: none settled).
@@ -1173,7 +1150,6 @@ struct LimitSql {
     day: String,
     /// ($1 older than, ms).
     purge: String,
-    now_expr: &'static str,
 }
 
 impl LimitSql {
@@ -1181,7 +1157,6 @@ impl LimitSql {
         let (p1, p2) = (placeholder(1), placeholder(2));
         let now = q.now;
         LimitSql {
-            placeholder,
             now: format!("SELECT {now} AS now_ms"),
             ensure: q.ensure,
             lock: format!(
@@ -1189,72 +1164,47 @@ impl LimitSql {
                 q.lock_suffix
             ),
             sweep: format!(
-                "UPDATE mail_limit_use SET sent_ms = {now} \
+                "UPDATE mail_limit_use SET sent_ms = {now}, pending = 0 \
                  WHERE limit_name = {p1} AND sent_ms IS NULL AND NOT EXISTS (\
-                 SELECT 1 FROM mail_queue AS q WHERE q.id = mail_limit_use.mail_id \
-                 AND q.status = 'sending' AND {})",
+                 SELECT 1 FROM mail_queue AS q WHERE q.status = 'sending' AND {})",
                 q.held_by
             ),
+            settle: {
+                let p = |i| placeholder(i);
+                // MariaDB assigns left to right and a later assignment sees
+                // the earlier ones: `sent_ms` comes first, from `pending` as
+                // it was, and each other assignment reads only its own column.
+                format!(
+                    "UPDATE mail_limit_use SET \
+                     sent_ms = CASE WHEN pending <= {} THEN {now} ELSE NULL END, \
+                     mails = CASE WHEN mails <= {} THEN 0 ELSE mails - {} END, \
+                     pending = CASE WHEN pending <= {} THEN 0 ELSE pending - {} END \
+                     WHERE limit_name = {} AND thread_lock = {} AND sent_ms IS NULL",
+                    p(1),
+                    p(2),
+                    p(3),
+                    p(4),
+                    p(5),
+                    p(6),
+                    p(7)
+                )
+            },
+            add: q.add,
             set_bound: format!("UPDATE mail_limit SET bound = {p1} WHERE name = {p2}"),
             window: format!(
-                "SELECT COUNT(*) AS used, COALESCE(MIN(sent_ms), -1) AS oldest \
-                 FROM mail_limit_use WHERE limit_name = {p1} AND (sent_ms IS NULL OR sent_ms > {p2})"
+                "SELECT {} AS used, COALESCE(MIN(sent_ms), -1) AS oldest \
+                 FROM mail_limit_use WHERE limit_name = {p1} AND (sent_ms IS NULL OR sent_ms > {p2})",
+                q.sum_mails
             ),
             day: format!(
-                "SELECT COUNT(*) AS used FROM mail_limit_use \
-                 WHERE limit_name = {p1} AND (sent_ms IS NULL OR sent_ms >= {p2})"
+                "SELECT {} AS used FROM mail_limit_use \
+                 WHERE limit_name = {p1} AND (sent_ms IS NULL OR sent_ms >= {p2})",
+                q.sum_mails
             ),
             purge: format!(
                 "DELETE FROM mail_limit_use WHERE sent_ms IS NOT NULL AND sent_ms < {now} - {p1}"
             ),
-            now_expr: now,
         }
-    }
-
-    fn list(&self, from: usize, n: usize) -> String {
-        (from..from + n)
-            .map(self.placeholder)
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-
-    /// (name, mail id, lock, reserved at) per row.
-    fn insert(&self, rows: usize) -> String {
-        let values: Vec<String> = (0..rows)
-            .map(|r| format!("({})", self.list(1 + 4 * r, 4)))
-            .collect();
-        format!(
-            "INSERT INTO mail_limit_use (limit_name, mail_id, thread_lock, reserved_ms) VALUES {}",
-            values.join(", ")
-        )
-    }
-
-    /// ($1 name, $2 lock, then the ids).
-    fn give_back(&self, ids: usize) -> String {
-        format!(
-            "DELETE FROM mail_limit_use WHERE limit_name = {} AND thread_lock = {} AND mail_id IN ({})",
-            (self.placeholder)(1),
-            (self.placeholder)(2),
-            self.list(3, ids)
-        )
-    }
-
-    /// (the ids): counted one window from now.
-    fn settle(&self, ids: usize) -> String {
-        format!(
-            "UPDATE mail_limit_use SET sent_ms = {} WHERE sent_ms IS NULL AND mail_id IN ({})",
-            self.now_expr,
-            self.list(1, ids)
-        )
-    }
-
-    /// ($1 lock, then the ids): known unsent, given back.
-    fn release(&self, ids: usize) -> String {
-        format!(
-            "DELETE FROM mail_limit_use WHERE thread_lock = {} AND mail_id IN ({})",
-            (self.placeholder)(1),
-            self.list(2, ids)
-        )
     }
 
     /// The cap's budget at `now`, what its window counts and its oldest

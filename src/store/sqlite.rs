@@ -357,6 +357,10 @@ static LIMITS: LimitQueries = LimitQueries {
     ensure: "INSERT OR IGNORE INTO mail_limit (name) VALUES (?1)",
     lock_suffix: "",
     held_by: "q.thread_lock = mail_limit_use.thread_lock",
+    add: "INSERT INTO mail_limit_use (limit_name, thread_lock, mails, pending, reserved_ms, sent_ms) \
+          VALUES (?1, ?2, ?3, ?4, ?5, NULL) ON CONFLICT (limit_name, thread_lock) DO UPDATE \
+          SET mails = mails + excluded.mails, pending = pending + excluded.pending, sent_ms = NULL",
+    sum_mails: "COALESCE(SUM(mails), 0)",
 };
 
 static QUERIES: Queries = Queries {

@@ -1,14 +1,15 @@
 //! Send caps at claim time (DESIGN §16): the caps that count each claimed
 //! mail reserve room for it in the database, for the whole claim at once;
 //! a mail a cap has no room for waits unspent until room frees. After the
-//! outcomes are written, a reservation whose mail may have gone out counts
-//! one window from then, and one whose mail surely did not is given back.
+//! outcomes are written, a claim's reservation counts one window from when
+//! none of its mails is pending any more, and a mail that surely did not go
+//! out is given back.
 
 use std::collections::BTreeMap;
 
 use crate::{
     mail,
-    store::{BatchLock, CapCheck, MailContent, QueuedMail},
+    store::{BatchLock, CapCheck, CapSettle, MailContent, QueuedMail},
 };
 
 use super::{outcome::Attempt, Worker};
@@ -81,19 +82,19 @@ impl Worker {
                 Vec::new()
             };
             let label = self.routes.get(route).label();
-            let mut counted = false;
+            let mut counting = Vec::new();
             for cap in self
                 .caps
                 .counting(from_domain.as_deref(), label, &recipients)
             {
                 asked.entry(cap).or_default().push(mail.id);
-                counted = true;
+                counting.push(self.caps.name(cap).to_string());
             }
-            mail.caps = if counted {
-                lock = Some(mail.lock);
-                CapCheck::Reserved
-            } else {
+            mail.caps = if counting.is_empty() {
                 CapCheck::Uncounted
+            } else {
+                lock = Some(mail.lock);
+                CapCheck::Reserved(counting)
             };
         }
         let Some(lock) = lock else { return };
@@ -106,7 +107,7 @@ impl Worker {
             Err(e) => {
                 tracing::warn!(error = %e, "could not reserve room under the send caps: mails wait");
                 for mail in mails.iter_mut() {
-                    if mail.caps == CapCheck::Reserved {
+                    if matches!(mail.caps, CapCheck::Reserved(_)) {
                         mail.caps = CapCheck::Unavailable;
                     }
                 }
@@ -125,7 +126,7 @@ impl Worker {
             }
             for id in &answer.turned_away {
                 if let Some(mail) = mails.iter_mut().find(|m| m.id == *id) {
-                    if mail.caps == CapCheck::Reserved {
+                    if matches!(mail.caps, CapCheck::Reserved(_)) {
                         mail.caps = CapCheck::Over {
                             cap: answer.name.clone(),
                             wait: answer.frees_in,
@@ -136,15 +137,16 @@ impl Worker {
         }
     }
 
-    /// After a group of outcomes is written: the reservations of mails that
-    /// may have gone out count one window from now, the others are given
-    /// back. A failure here leaves them pending; the next reservation of
-    /// any daemon counts them from then on (never less than the truth).
-    pub(super) async fn settle_caps(&self, sent: Vec<i64>, unsent: Vec<(i64, BatchLock)>) {
-        if sent.is_empty() && unsent.is_empty() {
+    /// After a group of outcomes is written: the mails that may have gone
+    /// out are no longer pending in their claims' reservations (which count
+    /// one window from now once none is), the others are given back. A
+    /// failure here leaves them pending; the next reservation of any daemon
+    /// counts them from then on (never less than the truth).
+    pub(super) async fn settle_caps(&self, settles: Vec<CapSettle>) {
+        if settles.is_empty() {
             return;
         }
-        if let Err(e) = self.store.settle_caps(&sent, &unsent).await {
+        if let Err(e) = self.store.settle_caps(&settles).await {
             tracing::warn!(error = %e, "could not settle send cap reservations: they count until found");
         }
     }

@@ -61,9 +61,9 @@ pub(super) struct Done {
     pub(super) span: tracing::Span,
     /// Its attachments' bytes, counted when it is written as sent.
     pub(super) attachment_bytes: u64,
-    /// It holds room under the send caps (DESIGN §16), and whether its
+    /// The send caps it holds room under (DESIGN §16), and whether its
     /// send surely did not go out (the room is given back).
-    pub(super) cap_unsent: Option<bool>,
+    pub(super) caps: Option<(Vec<String>, bool)>,
 }
 
 impl Done {
@@ -338,8 +338,12 @@ impl Worker {
             relay,
             span: ready.span.clone(),
             attachment_bytes: mail.sizes.attachment_bytes,
-            cap_unsent: (mail.caps == CapCheck::Reserved)
-                .then(|| super::limits::surely_unsent(&attempt)),
+            caps: match &mail.caps {
+                CapCheck::Reserved(caps) => {
+                    Some((caps.clone(), super::limits::surely_unsent(&attempt)))
+                }
+                _ => None,
+            },
         }
     }
 
@@ -467,17 +471,38 @@ impl Worker {
             .collect())
     }
 
-    /// The send caps' reservations of these outcomes, once written.
+    /// The send caps' reservations of these outcomes, once written: one
+    /// settlement per cap and claim.
     async fn settle_group(&self, group: &[Done]) {
-        let (mut sent, mut unsent) = (Vec::new(), Vec::new());
+        let mut settles: Vec<crate::store::CapSettle> = Vec::new();
         for d in group {
-            match d.cap_unsent {
-                Some(true) => unsent.push((d.id, d.lock)),
-                Some(false) => sent.push(d.id),
-                None => {}
+            let Some((caps, unsent)) = &d.caps else {
+                continue;
+            };
+            for name in caps {
+                let at = match settles
+                    .iter()
+                    .position(|s| s.lock == d.lock && s.name == *name)
+                {
+                    Some(at) => at,
+                    None => {
+                        settles.push(crate::store::CapSettle {
+                            name: name.clone(),
+                            lock: d.lock,
+                            sent: 0,
+                            unsent: 0,
+                        });
+                        settles.len() - 1
+                    }
+                };
+                if *unsent {
+                    settles[at].unsent += 1;
+                } else {
+                    settles[at].sent += 1;
+                }
             }
         }
-        self.settle_caps(sent, unsent).await;
+        self.settle_caps(settles).await;
     }
 
     /// Runs the lanes and the finalizer on `queue` while `feed` fills it,
