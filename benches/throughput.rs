@@ -40,15 +40,7 @@
 //! median (lowest–highest): this machine's speed wanders by ±15% from minute
 //! to minute, so compare ratios to the ceiling, not absolute rates.
 //!
-//! Options: `--database URL`, `--mails N` (50000), `--runs N` (3),
-//! `--samples N` (200), `--soak DURATION`, `--skip-claim-cost`,
-//! `--skip-latency`, `--skip-drain`, `--skip-bodies`, `--dkim` / `--dkim-ed25519` (sign every mail
-//! with a fresh RSA-2048 / Ed25519 key),
-//! `--attachment-kb N` (every drained mail carries one PDF-like attachment
-//! of N KB; the ceiling is measured with messages of the same size),
-//! `--bin PATH` (another build of the daemon, for before/after figures),
-//! `--daemons N,N,…`, `--chaos` and `--chaos-every DURATION` (with `--soak`),
-//! `--limit-unreached`.
+//! Options: see [`USAGE`] (`cargo bench --bench throughput -- --help`).
 
 use std::{
     io::{BufRead, BufReader, Read},
@@ -123,8 +115,78 @@ struct Options {
     templates: bool,
 }
 
+const USAGE: &str = "\
+cargo bench --bench throughput [-- OPTIONS]
+
+  --database URL          postgres://… (default), mysql://… or sqlite://…
+  --mails N               mails per drain (50000)
+  --runs N                runs of the ceiling and of each drain (3)
+  --samples N             pickup-latency samples (200)
+  --skip-drain            no drains of the real mix and the best case
+  --skip-bodies           no drain of the real mix with statistics fresh
+  --skip-latency          no pickup latency
+  --skip-claim-cost       no claim cost on large backlogs
+  --dkim, --dkim-ed25519  sign every mail with a fresh RSA-2048 / Ed25519 key
+  --attachment-kb N       one PDF-like attachment of N KB on every mail
+  --bin PATH              another build of the daemon, for before/after figures
+  --daemons N,N,...       one burst drained by that many daemons at once
+  --suppressed N          drains with N suppressed addresses against none
+  --reports N             reports recorded per second by the listener and by ingest
+  --routes                drains through two routes against one
+  --limit-unreached       drains under a send cap never reached against none
+  --templates             templated drains against pre-rendered ones
+  --soak DURATION         constant load for DURATION (30m)
+  --chaos                 with --soak: two daemons and a fault every --chaos-every
+  --chaos-every DURATION  (2m)
+";
+
+/// Options that take a value, and those that do not.
+const VALUED: &[&str] = &[
+    "--database",
+    "--mails",
+    "--runs",
+    "--samples",
+    "--attachment-kb",
+    "--bin",
+    "--daemons",
+    "--suppressed",
+    "--reports",
+    "--soak",
+    "--chaos-every",
+];
+const FLAGS: &[&str] = &[
+    "--skip-drain",
+    "--skip-bodies",
+    "--skip-latency",
+    "--skip-claim-cost",
+    "--dkim",
+    "--dkim-ed25519",
+    "--routes",
+    "--limit-unreached",
+    "--templates",
+    "--chaos",
+    // What `cargo bench` passes itself.
+    "--bench",
+];
+
 fn options() -> Options {
     let args: Vec<String> = std::env::args().collect();
+    let mut rest = args.iter().skip(1);
+    while let Some(arg) = rest.next() {
+        if arg == "--help" || arg == "-h" {
+            print!("{USAGE}");
+            std::process::exit(0);
+        }
+        if VALUED.contains(&arg.as_str()) {
+            if rest.next().is_none() {
+                eprint!("{arg} needs a value\n\n{USAGE}");
+                std::process::exit(2);
+            }
+        } else if !FLAGS.contains(&arg.as_str()) {
+            eprint!("unknown option {arg:?}\n\n{USAGE}");
+            std::process::exit(2);
+        }
+    }
     let value = |name: &str| {
         args.iter()
             .position(|a| a == name)
