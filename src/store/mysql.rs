@@ -423,6 +423,7 @@ static LIMITS: LimitQueries = LimitQueries {
           VALUES (?, ?, ?, ?, ?, NULL) ON DUPLICATE KEY UPDATE \
           mails = mails + VALUES(mails), pending = pending + VALUES(pending), sent_ms = NULL",
     sum_mails: "CAST(COALESCE(SUM(mails), 0) AS SIGNED)",
+    reserve_within_bound: None,
 };
 
 static QUERIES: Queries = Queries {

@@ -423,6 +423,17 @@ static LIMITS: LimitQueries = LimitQueries {
           SET mails = mail_limit_use.mails + EXCLUDED.mails, \
           pending = mail_limit_use.pending + EXCLUDED.pending, sent_ms = NULL",
     sum_mails: "COALESCE(SUM(mails), 0)::bigint",
+    reserve_within_bound: Some(
+        "WITH b AS (UPDATE mail_limit SET bound = bound + $3 \
+         WHERE name = $1 AND bound + $3 <= $4 \
+         RETURNING bound, (extract(epoch FROM clock_timestamp()) * 1000)::bigint AS now_ms), \
+         i AS (INSERT INTO mail_limit_use (limit_name, thread_lock, mails, pending, reserved_ms, sent_ms) \
+         SELECT $1, $2, $3, $3, now_ms, NULL FROM b \
+         ON CONFLICT (limit_name, thread_lock) DO UPDATE \
+         SET mails = mail_limit_use.mails + EXCLUDED.mails, \
+         pending = mail_limit_use.pending + EXCLUDED.pending, sent_ms = NULL) \
+         SELECT bound, now_ms FROM b",
+    ),
 };
 
 static QUERIES: Queries = Queries {

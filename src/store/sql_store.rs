@@ -832,6 +832,37 @@ where
         if caps.is_empty() {
             return Ok(Vec::new());
         }
+        if let (Some(fast), [cap]) = (self.shared.limits.reserve_within_bound, caps) {
+            if cap.warmup.is_none() && !cap.mails.is_empty() {
+                let (name, lock, g) = (cap.name.clone(), lock.to_string(), cap.mails.len());
+                let max = cap.max.min(i64::MAX as u64) as i64;
+                let row = self
+                    .shared
+                    .run(move |c| {
+                        Box::pin(
+                            sqlx::query(fast)
+                                .bind(name)
+                                .bind(lock)
+                                .bind(g as i64)
+                                .bind(max)
+                                .fetch_optional(c),
+                        )
+                    })
+                    .await?;
+                if let Some(row) = row {
+                    let used: i64 = row.try_get("bound")?;
+                    return Ok(vec![CapAnswer {
+                        name: cap.name.clone(),
+                        granted: cap.mails.clone(),
+                        turned_away: Vec::new(),
+                        counted: false,
+                        used: used.max(0) as u64,
+                        max: cap.max,
+                        frees_in: Duration::ZERO,
+                    }]);
+                }
+            }
+        }
         let sql = LimitSql::new(self.shared.limits, self.shared.queries.placeholder);
         let begin = self.shared.begin_write;
         let mut caps = caps.to_vec();

@@ -361,6 +361,7 @@ static LIMITS: LimitQueries = LimitQueries {
           VALUES (?1, ?2, ?3, ?4, ?5, NULL) ON CONFLICT (limit_name, thread_lock) DO UPDATE \
           SET mails = mails + excluded.mails, pending = pending + excluded.pending, sent_ms = NULL",
     sum_mails: "COALESCE(SUM(mails), 0)",
+    reserve_within_bound: None,
 };
 
 static QUERIES: Queries = Queries {
