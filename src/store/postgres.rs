@@ -432,7 +432,7 @@ static LIMITS: LimitQueries = LimitQueries {
          ON CONFLICT (limit_name, thread_lock) DO UPDATE \
          SET mails = mail_limit_use.mails + EXCLUDED.mails, \
          pending = mail_limit_use.pending + EXCLUDED.pending, sent_ms = NULL) \
-         SELECT bound, now_ms FROM b",
+         SELECT bound FROM b",
     ),
 };
 

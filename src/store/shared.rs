@@ -201,7 +201,7 @@ pub(crate) struct LimitQueries {
     /// The sum of `mails` over the rows read, 0 for none, as a 64-bit
     /// integer.
     pub sum_mails: &'static str,
-    /// ($1 name, $2 lock, $3 mails, $4 max) -> `bound`, `now_ms`, or no
+    /// ($1 name, $2 lock, $3 mails, $4 max) -> `bound`, or no
     /// row: where one statement can do it, a reservation under one cap
     /// without a warm-up that fits under `bound`, atomically (the cap's row
     /// stays locked until the reservation is written). No row: the cap's

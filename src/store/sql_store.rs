@@ -989,7 +989,7 @@ where
         let begin = self.shared.begin_write;
         // In (name, lock) order: reservations are updated in one order.
         let mut settles = settles.to_vec();
-        settles.sort_by(|a, b| (&a.name, a.lock.to_string()).cmp(&(&b.name, b.lock.to_string())));
+        settles.sort_by(|a, b| (&a.name, a.lock).cmp(&(&b.name, b.lock)));
         self.shared
             .run(move |c| {
                 Box::pin(async move {

@@ -474,34 +474,30 @@ impl Worker {
     /// The send caps' reservations of these outcomes, once written: one
     /// settlement per cap and claim.
     async fn settle_group(&self, group: &[Done]) {
-        let mut settles: Vec<crate::store::CapSettle> = Vec::new();
+        let mut counts: std::collections::BTreeMap<(&str, crate::store::BatchLock), (u64, u64)> =
+            Default::default();
         for d in group {
             let Some((caps, unsent)) = &d.caps else {
                 continue;
             };
             for name in caps {
-                let at = match settles
-                    .iter()
-                    .position(|s| s.lock == d.lock && s.name == *name)
-                {
-                    Some(at) => at,
-                    None => {
-                        settles.push(crate::store::CapSettle {
-                            name: name.clone(),
-                            lock: d.lock,
-                            sent: 0,
-                            unsent: 0,
-                        });
-                        settles.len() - 1
-                    }
-                };
+                let (sent, given_back) = counts.entry((name.as_str(), d.lock)).or_default();
                 if *unsent {
-                    settles[at].unsent += 1;
+                    *given_back += 1;
                 } else {
-                    settles[at].sent += 1;
+                    *sent += 1;
                 }
             }
         }
+        let settles = counts
+            .into_iter()
+            .map(|((name, lock), (sent, unsent))| crate::store::CapSettle {
+                name: name.to_string(),
+                lock,
+                sent,
+                unsent,
+            })
+            .collect();
         self.settle_caps(settles).await;
     }
 
